@@ -1,0 +1,59 @@
+# deepseek-one-gpu — build, serve, test.
+#   make serve   install (first time) and serve the embedded default model on 127.0.0.1:8090
+#   make test    install (first time) and run the whole test suite
+#   make check   ruff format --check, ruff check, mypy
+#   make bench   load benchmark of this server (see bench/)
+# GPU=cuda forces a CUDA build of llama.cpp; otherwise CUDA is used when `nvidia-smi -L` finds a GPU.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+HOST ?= 127.0.0.1
+PORT ?= 8090
+SERVE_ARGS ?=
+LLAMA_CPP_VERSION := 0.3.36
+
+GPU ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+ifeq ($(GPU),cuda)
+  LLAMA_CMAKE_ARGS := -DGGML_CUDA=on
+  # A CPU wheel of the same version may sit in pip's cache: never reuse it for a CUDA build.
+  LLAMA_PIP_FLAGS := --no-cache-dir --force-reinstall --no-deps
+else
+  LLAMA_CMAKE_ARGS :=
+  LLAMA_PIP_FLAGS :=
+endif
+STAMP := $(VENV)/.installed-$(GPU)
+
+.PHONY: install serve test check bench model clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	@echo "building llama-cpp-python $(LLAMA_CPP_VERSION) ($(GPU)); the first build takes ~9 minutes on 2 cores"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install -q $(LLAMA_PIP_FLAGS) llama-cpp-python==$(LLAMA_CPP_VERSION)
+	$(PY) -m pip install -q -e '.[dev]'
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+model: $(STAMP)
+	$(PY) -c "from engine.default_model import default_model_path; print(default_model_path())"
+
+serve: $(STAMP) model
+	$(VENV)/bin/one-gpu serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+check: $(STAMP)
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+bench: $(STAMP) model
+	$(PY) -m bench.concurrency $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,1 @@
+"""HTTP: the starlette app, OpenAI routes, schemas, errors, /metrics and the CLI."""

@@ -1,0 +1,154 @@
+"""Build the starlette app explicitly: routes, error handlers by class, a lifespan that
+loads the model, starts the engine loop and drains it on shutdown."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from api.errors import (
+    APIError,
+    MethodNotAllowed,
+    RouteNotFound,
+    Unauthorized,
+    error_response,
+    handle_api_error,
+)
+from api.metrics import CONTENT_TYPE, Metrics
+from api.openai_routes import chat_completions, completions, list_models
+from api.state import ServerSettings, ServerState, server_state
+from engine.chat_template import ChatTemplate
+from engine.model import Model
+from engine.runner import Engine
+from scheduler.core import Scheduler, SchedulerConfig
+from scheduler.loop import EngineLoop
+
+log = logging.getLogger(__name__)
+
+
+def _load(settings: ServerSettings) -> tuple[Model, Engine]:
+    model = Model(settings.engine)
+    return model, Engine(model)
+
+
+def _state(settings: ServerSettings, model: Model, engine: Engine) -> ServerState:
+    max_len = min(model.n_ctx, model.n_ctx_train or model.n_ctx)
+    if settings.max_model_len:
+        max_len = min(max_len, settings.max_model_len)
+    budget = min(settings.max_num_batched_tokens or model.n_batch, model.n_batch)
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=model.n_seq_max,
+            kv_capacity=model.n_ctx,
+            max_num_batched_tokens=budget,
+            max_waiting=settings.max_waiting,
+        )
+    )
+    name = settings.served_model_name or Path(settings.engine.model_path).stem
+    metrics = Metrics(name)
+    loop = EngineLoop(scheduler, engine.step, on_stats=metrics.observe)
+    template = ChatTemplate.resolve(
+        settings.chat_template, model.chat_template(), model.bos_token, model.eos_token
+    )
+    return ServerState(
+        settings=settings,
+        model=model,
+        loop=loop,
+        metrics=metrics,
+        template=template,
+        model_name=name,
+        max_model_len=max_len,
+        created=int(time.time()),
+        aliases=frozenset({name, Path(settings.engine.model_path).name}),
+    )
+
+
+async def health(request: Request) -> Response:
+    state = server_state(request)
+    if not state.loop.is_running or state.draining:
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+async def metrics(request: Request) -> Response:
+    return Response(server_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def _http_error(_request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 405:
+        return error_response(MethodNotAllowed("method not allowed"))
+    if exc.status_code == 404:
+        return error_response(RouteNotFound("no such route"))
+    return error_response(APIError(str(exc.detail)))
+
+
+async def _unexpected(_request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error", exc_info=exc)
+    return error_response(APIError("internal server error"))
+
+
+class BearerAuth:
+    """`Authorization: Bearer KEY` on /v1 routes, compared in constant time."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.key = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(got, self.key):
+                resp = error_response(Unauthorized("invalid or missing API key"))
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(settings: ServerSettings) -> Starlette:
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        model, engine = await anyio.to_thread.run_sync(_load, settings)
+        state = _state(settings, model, engine)
+        app.state.server = state
+        state.loop.start()
+        log.info("serving %s (max_model_len=%d)", state.model_name, state.max_model_len)
+        try:
+            yield
+        finally:
+            state.draining = True
+            await state.loop.stop(drain_s=settings.drain_s)
+            engine.close()
+            model.close()
+
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={
+            APIError: handle_api_error,
+            HTTPException: _http_error,
+            Exception: _unexpected,
+        },
+    )
+    if settings.api_key:
+        app.add_middleware(BearerAuth, api_key=settings.api_key)
+    return app

@@ -1,0 +1,86 @@
+"""`one-gpu serve …`: parse options, build the app, run uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+from engine.config import EngineConfig
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="one-gpu", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="serve a GGUF model behind an OpenAI-compatible API")
+    s.add_argument("--model", help="GGUF file (default: the embedded Gemma 3 270M)")
+    s.add_argument("--served-model-name", help="model id clients send (default: file stem)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8090)
+    s.add_argument("--n-ctx", type=int, default=16384, help="KV pool size in tokens, all users")
+    s.add_argument("--n-seq-max", type=int, default=32, help="most requests decoding at once")
+    s.add_argument("--n-batch", type=int, default=2048, help="most tokens one step submits")
+    s.add_argument("--n-ubatch", type=int, default=512, help="physical batch of llama.cpp")
+    s.add_argument("--max-num-batched-tokens", type=int, help="per-step token budget (<= n-batch)")
+    s.add_argument("--max-model-len", type=int, help="per-request context limit")
+    s.add_argument("--threads", type=int, default=0, help="decode threads (0 = all cores)")
+    s.add_argument("--threads-batch", type=int, default=0, help="batch threads (0 = --threads)")
+    s.add_argument("--flash-attn", choices=["auto", "on", "off"], default="auto")
+    s.add_argument("--n-gpu-layers", type=int, default=-1, help="layers on the GPU (-1 = all)")
+    s.add_argument("--max-waiting", type=int, default=256, help="queue bound before 429")
+    s.add_argument("--chat-template", type=Path, help="jinja2 chat template file")
+    s.add_argument("--api-key", default=os.environ.get("ONEGPU_API_KEY"))
+    s.add_argument("--drain-seconds", type=float, default=30.0, help="SIGTERM drain bound")
+    s.add_argument("--log-level", default="info")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    import uvicorn
+
+    from api.app import build_app
+    from api.state import ServerSettings
+
+    model_path = args.model
+    if model_path is None:
+        from engine.default_model import DEFAULT_MODEL_NAME, default_model_path
+
+        model_path = default_model_path()
+        args.served_model_name = args.served_model_name or DEFAULT_MODEL_NAME
+    engine = EngineConfig(
+        model_path=model_path,
+        n_ctx=args.n_ctx,
+        n_seq_max=args.n_seq_max,
+        n_batch=args.n_batch,
+        n_ubatch=args.n_ubatch,
+        n_threads=args.threads,
+        n_threads_batch=args.threads_batch,
+        flash_attn=args.flash_attn,
+        n_gpu_layers=args.n_gpu_layers,
+    )
+    settings = ServerSettings(
+        engine=engine,
+        served_model_name=args.served_model_name,
+        chat_template=args.chat_template,
+        max_waiting=args.max_waiting,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        api_key=args.api_key,
+        drain_s=args.drain_seconds,
+    )
+    uvicorn.run(
+        build_app(settings),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=int(args.drain_seconds),
+    )
+
+
+if __name__ == "__main__":
+    main()

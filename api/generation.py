@@ -1,0 +1,157 @@
+"""From a validated OpenAI request to scheduler requests, and their outputs back.
+
+Shared by both endpoints: sampling parameters, the context-length check, submission of
+one scheduler request per choice, and merging the choices' output streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from api.errors import ContextLengthExceeded, InvalidRequest, ServerBusy
+from api.schemas import SamplingFields
+from api.state import ServerState
+from engine.detok import IncrementalDetokenizer
+from engine.step_types import Sampled, SamplingParams
+from scheduler.core import QueueFull
+from scheduler.request import Request, RequestOutput
+from scheduler.stops import StopMatcher
+
+
+def sampling_params(
+    req: SamplingFields, *, logprobs: bool, top_logprobs: int, seed_offset: int = 0
+) -> SamplingParams:
+    return SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        min_p=req.min_p or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=req.repetition_penalty or 1.0,
+        seed=None if req.seed is None else req.seed + seed_offset,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+    )
+
+
+def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    if len(stops) > 16:
+        raise InvalidRequest("at most 16 stop strings", param="stop")
+    return stops
+
+
+def max_tokens_for(state: ServerState, n_prompt: int, asked: int | None) -> int:
+    """Resolve max_tokens against the context; 400 when prompt + max_tokens cannot fit."""
+    limit = state.max_model_len
+    if n_prompt == 0:
+        raise InvalidRequest("the prompt is empty", param="prompt")
+    if asked is None:
+        if n_prompt >= limit:
+            raise _too_long(n_prompt, 1, limit)
+        return limit - n_prompt
+    if n_prompt + asked > limit:
+        raise _too_long(n_prompt, asked, limit)
+    return asked
+
+
+def _too_long(n_prompt: int, asked: int, limit: int) -> ContextLengthExceeded:
+    return ContextLengthExceeded(
+        f"This model's maximum context length is {limit} tokens. However, you requested "
+        f"{n_prompt + asked} tokens ({n_prompt} in the prompt, {asked} for the completion). "
+        "Please reduce the prompt or max_tokens.",
+        param="max_tokens",
+    )
+
+
+@dataclass(slots=True)
+class Choice:
+    """One choice's accumulated output (non-streaming responses)."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Sampled] = field(default_factory=list)
+    finish_reason: str = "stop"
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+    def add(self, o: RequestOutput) -> None:
+        self.text.append(o.text)
+        self.token_ids.extend(o.token_ids)
+        self.logprobs.extend(o.logprobs)
+        self.num_prompt_tokens = o.num_prompt_tokens
+        self.num_output_tokens = o.num_output_tokens
+        if o.finish_reason is not None:
+            self.finish_reason = o.finish_reason
+
+
+class Submission:
+    """The scheduler requests of one API call (one per choice) and their streams."""
+
+    def __init__(self, state: ServerState, base_id: str) -> None:
+        self.state = state
+        self.base_id = base_id
+        self.req_ids: list[str] = []
+        self.queues: list[asyncio.Queue[RequestOutput]] = []
+
+    def add(
+        self, prompt_ids: list[int], params: SamplingParams, max_tokens: int, stops: tuple[str, ...]
+    ) -> None:
+        model = self.state.model
+        req = Request(
+            req_id=f"{self.base_id}-{len(self.req_ids)}",
+            prompt_ids=prompt_ids,
+            params=params,
+            max_tokens=max_tokens,
+            arrival_time=time.monotonic(),
+            detok=IncrementalDetokenizer(model.token_bytes),
+            stops=StopMatcher(stops),
+            is_eog=model.is_eog,
+        )
+        try:
+            q = self.state.loop.add(req)
+        except QueueFull as e:
+            self.abort()
+            raise ServerBusy(f"server busy: {e}; retry shortly", retry_after_s=1) from e
+        self.req_ids.append(req.req_id)
+        self.queues.append(q)
+
+    def abort(self) -> None:
+        """Abort whatever has not finished (no-op for finished requests)."""
+        for rid in self.req_ids:
+            self.state.loop.abort(rid)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice index, delta) as they come, until every choice has finished."""
+        if len(self.queues) == 1:
+            q = self.queues[0]
+            while True:
+                o = await q.get()
+                yield 0, o
+                if o.finish_reason is not None:
+                    return
+        pending = {asyncio.ensure_future(q.get()): i for i, q in enumerate(self.queues)}
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for fut in sorted(done, key=lambda f: pending[f]):
+                    i = pending.pop(fut)
+                    o = fut.result()
+                    yield i, o
+                    if o.finish_reason is None:
+                        pending[asyncio.ensure_future(self.queues[i].get())] = i
+        finally:
+            for fut in pending:
+                fut.cancel()
+
+    async def collect(self) -> list[Choice]:
+        choices = [Choice() for _ in self.queues]
+        async for i, o in self.outputs():
+            choices[i].add(o)
+        return choices

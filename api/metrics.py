@@ -1,0 +1,115 @@
+"""Prometheus metrics: the only module that imports prometheus_client.
+
+Fed one `StepStats` per scheduler step; every series is prefixed `onegpu_`. The registry
+belongs to the app (no global default registry), so several apps can live in one process.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from scheduler.stats import StepStats
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_STEP = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12)
+_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+_SEQS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
+
+
+class Metrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.running = Gauge(
+            "onegpu_requests_running", "Requests holding a sequence now", registry=r
+        )
+        self.waiting = Gauge(
+            "onegpu_requests_waiting", "Requests queued for a sequence", registry=r
+        )
+        self.kv_used = Gauge("onegpu_kv_cache_used_cells", "KV cells held by sequences", registry=r)
+        self.kv_capacity = Gauge(
+            "onegpu_kv_cache_capacity_cells", "KV cells in the pool", registry=r
+        )
+        self.prompt_tokens = Counter(
+            "onegpu_prompt_tokens", "Prompt tokens prefilled (first pass)", registry=r
+        )
+        self.generated_tokens = Counter("onegpu_generation_tokens", "Tokens generated", registry=r)
+        self.finished = Counter(
+            "onegpu_requests_finished",
+            "Finished requests by reason (stop, length, abort, error)",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.preemptions = Counter(
+            "onegpu_preemptions", "Requests preempted for KV space (recomputed later)", registry=r
+        )
+        self.ttft = Histogram(
+            "onegpu_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY,
+            registry=r,
+        )  # fmt: skip
+        self.itl = Histogram(
+            "onegpu_inter_token_latency_seconds", "Gap between a request's successive tokens",
+            buckets=_ITL, registry=r,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            "onegpu_e2e_request_latency_seconds", "Arrival to finish", buckets=_LATENCY,
+            registry=r,
+        )  # fmt: skip
+        self.queue = Histogram(
+            "onegpu_request_queue_time_seconds", "Arrival to first scheduled", buckets=_LATENCY,
+            registry=r,
+        )  # fmt: skip
+        self.step_tokens = Histogram(
+            "onegpu_step_tokens", "Tokens submitted per step", buckets=_TOKENS, registry=r
+        )
+        self.step_seqs = Histogram(
+            "onegpu_step_sequences", "Sequences sharing one step", buckets=_SEQS, registry=r
+        )
+        self.step_time = Histogram(
+            "onegpu_step_duration_seconds", "Whole step: schedule, decode, sample, postprocess",
+            buckets=_STEP, registry=r,
+        )  # fmt: skip
+        self.decode_time = Histogram(
+            "onegpu_step_decode_seconds", "Time inside llama_decode per step", buckets=_STEP,
+            registry=r,
+        )  # fmt: skip
+        self.python_time = Histogram(
+            "onegpu_step_python_seconds",
+            "Per step, time outside llama_decode: batch fill, sampling, detokenization, streaming",
+            buckets=_STEP, registry=r,
+        )  # fmt: skip
+        info = Gauge("onegpu_model_info", "The served model", ["model"], registry=r)
+        info.labels(model=model_name).set(1)
+
+    def observe(self, s: StepStats) -> None:
+        self.running.set(s.num_running)
+        self.waiting.set(s.num_waiting)
+        self.kv_used.set(s.kv_used)
+        self.kv_capacity.set(s.kv_capacity)
+        if s.num_prompt_tokens:
+            self.prompt_tokens.inc(s.num_prompt_tokens)
+        if s.num_generated_tokens:
+            self.generated_tokens.inc(s.num_generated_tokens)
+        if s.num_preempted:
+            self.preemptions.inc(s.num_preempted)
+        if s.num_step_tokens:
+            self.step_tokens.observe(s.num_step_tokens)
+            self.step_seqs.observe(s.num_step_seqs)
+            self.step_time.observe(s.step_s)
+            self.decode_time.observe(s.decode_s)
+            self.python_time.observe(max(0.0, s.step_s - s.decode_s))
+        for v in s.ttft_s:
+            self.ttft.observe(v)
+        for v in s.itl_s:
+            self.itl.observe(v)
+        for v in s.queue_s:
+            self.queue.observe(v)
+        for f in s.finished:
+            self.finished.labels(finish_reason=f.finish_reason).inc()
+            self.e2e.observe(f.e2e_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,293 @@
+"""The OpenAI routes: /v1/chat/completions, /v1/completions, /v1/models."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from api.disconnect import EventStreamResponse, run_until_disconnect
+from api.errors import (
+    APIError,
+    GenerationFailed,
+    InvalidRequest,
+    ModelNotFound,
+    ServiceUnavailable,
+    from_decode_error,
+)
+from api.generation import Choice, Submission, max_tokens_for, sampling_params, stop_strings
+from api.schemas import (
+    CHAT_DECODER,
+    COMPLETION_DECODER,
+    ENCODER,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatLogprobs,
+    ChunkChoice,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    Delta,
+    ErrorBody,
+    ErrorDetail,
+    ModelCard,
+    ModelList,
+    ResponseMessage,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from api.state import ServerState, server_state
+from engine.chat_template import ChatTemplateError
+from engine.step_types import Sampled
+
+DONE = b"data: [DONE]\n\n"
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(ENCODER.encode(obj), status_code=status, media_type="application/json")
+
+
+def _frame(obj: Any) -> bytes:
+    return b"data: " + ENCODER.encode(obj) + b"\n\n"
+
+
+def _check_model(state: ServerState, name: str) -> None:
+    if name not in state.aliases:
+        raise ModelNotFound(f"The model `{name}` does not exist; this server serves "
+                            f"`{state.model_name}`.", param="model")  # fmt: skip
+    if state.draining:
+        raise ServiceUnavailable("server is shutting down")
+
+
+async def _decode(request: Request, decoder: msgspec.json.Decoder[Any]) -> Any:
+    try:
+        return decoder.decode(await request.body())
+    except msgspec.DecodeError as e:
+        raise from_decode_error(e) from None
+
+
+def _usage(choices_prompt: int, completion: int) -> Usage:
+    return Usage(choices_prompt, completion, choices_prompt + completion)
+
+
+# ---- logprobs -----------------------------------------------------------------------
+def _token_str(state: ServerState, tok: int) -> tuple[str, list[int]]:
+    raw = state.model.token_text(tok)
+    return raw.decode("utf-8", "replace"), list(raw)
+
+
+def _chat_logprobs(state: ServerState, items: list[Sampled]) -> ChatLogprobs:
+    content = []
+    for s in items:
+        text, raw = _token_str(state, s.token)
+        top = []
+        for t, lp in s.top_logprobs or []:
+            ttext, traw = _token_str(state, t)
+            top.append(TopLogprob(ttext, lp, traw))
+        content.append(TokenLogprob(text, s.logprob or 0.0, raw, top))
+    return ChatLogprobs(content)
+
+
+def _completion_logprobs(
+    state: ServerState, items: list[Sampled], offset: int
+) -> CompletionLogprobs:
+    out = CompletionLogprobs([], [], [], [])
+    for s in items:
+        text, _ = _token_str(state, s.token)
+        out.tokens.append(text)
+        out.token_logprobs.append(s.logprob or 0.0)
+        out.top_logprobs.append({_token_str(state, t)[0]: lp for t, lp in s.top_logprobs or []})
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+# ---- shared plumbing ----------------------------------------------------------------
+def _error_frame(err: APIError) -> bytes:
+    return _frame(ErrorBody(ErrorDetail(err.message, err.type, err.param, err.code)))
+
+
+async def _respond(
+    request: Request,
+    sub: Submission,
+    stream: bool,
+    frames: Callable[[], AsyncIterator[bytes]],
+    body: Callable[[list[Choice]], Any],
+) -> Response:
+    """Stream SSE frames, or collect every choice into one body; abort on disconnect."""
+    if stream:
+        return EventStreamResponse(frames(), on_close=sub.abort)
+    result: list[Choice] = []
+
+    async def work() -> None:
+        result.extend(await sub.collect())
+
+    try:
+        done = await run_until_disconnect(request.receive, work)
+    finally:
+        sub.abort()
+    if not done:  # the client left; nobody reads this
+        return Response(status_code=499)
+    if any(c.finish_reason == "error" for c in result):
+        raise GenerationFailed("generation failed in the backend; see the server log")
+    return _json(body(result))
+
+
+# ---- routes -------------------------------------------------------------------------
+async def chat_completions(request: Request) -> Response:
+    state = server_state(request)
+    req: ChatCompletionRequest = await _decode(request, CHAT_DECODER)
+    _check_model(state, req.model)
+    messages = []
+    for m in req.messages:
+        content = m.content
+        if isinstance(content, list):
+            content = "".join(p.text or "" for p in content if p.type == "text")
+        messages.append({"role": m.role, "content": content or ""})
+    try:
+        prompt = state.template.render(messages)
+    except ChatTemplateError as e:
+        raise InvalidRequest(str(e), param="messages") from None
+    model = state.model
+    add_bos = model.add_bos and not (model.bos_token and prompt.startswith(model.bos_token))
+    ids = model.tokenize(prompt, add_special=add_bos, parse_special=True)
+    max_tokens = max_tokens_for(state, len(ids), req.max_completion_tokens or req.max_tokens)
+    if req.top_logprobs and not req.logprobs:
+        raise InvalidRequest("top_logprobs requires logprobs=true", param="top_logprobs")
+    stops = stop_strings(req.stop)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    sub = Submission(state, rid)
+    for i in range(req.n):
+        params = sampling_params(
+            req, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0, seed_offset=i
+        )
+        sub.add(ids, params, max_tokens, stops)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> bytes:
+        return _frame(ChatCompletionChunk(rid, created, req.model, choices, usage=usage))
+
+    async def frames() -> AsyncIterator[bytes]:
+        yield chunk([ChunkChoice(i, Delta(role="assistant", content="")) for i in range(req.n)])
+        completion_tokens = 0
+        async for i, o in sub.outputs():
+            if o.finish_reason == "error":
+                yield _error_frame(GenerationFailed("generation failed in the backend"))
+                return
+            lp = _chat_logprobs(state, o.logprobs) if o.logprobs else None
+            if o.text or lp is not None:
+                yield chunk([ChunkChoice(i, Delta(content=o.text), None, lp)])
+            if o.finish_reason is not None:
+                completion_tokens += o.num_output_tokens
+                yield chunk([ChunkChoice(i, Delta(), o.finish_reason)])
+        if include_usage:
+            yield chunk([], _usage(len(ids), completion_tokens))
+        yield DONE
+
+    def body(choices: list[Choice]) -> ChatCompletion:
+        out = [
+            ChatChoice(
+                i,
+                ResponseMessage("".join(c.text)),
+                c.finish_reason,
+                _chat_logprobs(state, c.logprobs) if req.logprobs else None,
+            )
+            for i, c in enumerate(choices)
+        ]
+        gen = sum(c.num_output_tokens for c in choices)
+        return ChatCompletion(rid, created, req.model, out, _usage(len(ids), gen))
+
+    return await _respond(request, sub, req.stream, frames, body)
+
+
+def _completion_prompts(state: ServerState, prompt: str | list[str | int]) -> list[list[int]]:
+    model = state.model
+    if isinstance(prompt, str):
+        return [model.tokenize(prompt, add_special=True, parse_special=True)]
+    if all(isinstance(p, int) for p in prompt):
+        ids = [int(p) for p in prompt]
+        if any(not 0 <= t < model.n_vocab for t in ids):
+            raise InvalidRequest(f"token ids must be in [0, {model.n_vocab})", param="prompt")
+        return [ids]
+    if all(isinstance(p, str) for p in prompt):
+        return [model.tokenize(str(p), add_special=True, parse_special=True) for p in prompt]
+    raise InvalidRequest(
+        "prompt must be a string, a list of strings or of token ids", param="prompt"
+    )
+
+
+async def completions(request: Request) -> Response:
+    state = server_state(request)
+    req: CompletionRequest = await _decode(request, COMPLETION_DECODER)
+    _check_model(state, req.model)
+    if req.echo:
+        raise InvalidRequest("echo is not supported", param="echo")
+    if req.suffix:
+        raise InvalidRequest("suffix is not supported", param="suffix")
+    prompts = _completion_prompts(state, req.prompt)
+    limits = [max_tokens_for(state, len(p), req.max_tokens or 16) for p in prompts]
+    stops = stop_strings(req.stop)
+    want_lp = req.logprobs is not None
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    sub = Submission(state, rid)
+    for ids, max_tokens in zip(prompts, limits, strict=True):
+        for i in range(req.n):
+            params = sampling_params(
+                req, logprobs=want_lp, top_logprobs=req.logprobs or 0, seed_offset=i
+            )
+            sub.add(ids, params, max_tokens, stops)
+    n_prompt = sum(len(p) for p in prompts) * req.n
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    async def frames() -> AsyncIterator[bytes]:
+        offsets = [0] * len(sub.queues)
+        completion_tokens = 0
+        async for i, o in sub.outputs():
+            if o.finish_reason == "error":
+                yield _error_frame(GenerationFailed("generation failed in the backend"))
+                return
+            lp = _completion_logprobs(state, o.logprobs, offsets[i]) if want_lp else None
+            offsets[i] += len(o.text)
+            if o.finish_reason is not None:
+                completion_tokens += o.num_output_tokens
+            if o.text or o.finish_reason is not None or lp is not None:
+                choice = CompletionChoice(i, o.text, o.finish_reason, lp)
+                yield _frame(Completion(rid, created, req.model, [choice]))
+        if include_usage:
+            yield _frame(
+                Completion(rid, created, req.model, [], usage=_usage(n_prompt, completion_tokens))
+            )
+        yield DONE
+
+    def body(choices: list[Choice]) -> Completion:
+        out = [
+            CompletionChoice(
+                i,
+                "".join(c.text),
+                c.finish_reason,
+                _completion_logprobs(state, c.logprobs, 0) if want_lp else None,
+            )
+            for i, c in enumerate(choices)
+        ]
+        gen = sum(c.num_output_tokens for c in choices)
+        return Completion(rid, created, req.model, out, usage=_usage(n_prompt, gen))
+
+    return await _respond(request, sub, req.stream, frames, body)
+
+
+async def list_models(request: Request) -> Response:
+    state = server_state(request)
+    cards = [ModelCard(name, state.created, max_model_len=state.max_model_len)
+             for name in sorted(state.aliases)]  # fmt: skip
+    return _json(ModelList(cards))

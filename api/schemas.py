@@ -1,0 +1,187 @@
+"""msgspec schemas for every OpenAI request and response this server speaks.
+
+Value ranges live in the types (`Meta`), so a wrong value is a 400 naming its field,
+produced by the same decoder that parses the JSON.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+Prob = Annotated[float, Meta(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+PosInt = Annotated[int, Meta(ge=1)]
+NumChoices = Annotated[int, Meta(ge=1, le=16)]
+TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
+Stop = str | list[str] | None
+
+
+class StreamOptions(Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class ContentPart(Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class SamplingFields(Struct, kw_only=True):
+    """Fields shared by both endpoints (OpenAI's plus llama.cpp's usual extras)."""
+
+    model: str
+    max_tokens: PosInt | None = None
+    temperature: Temperature | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Meta(ge=0)] | None = None
+    min_p: Prob | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
+    n: NumChoices = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: Stop = None
+    seed: int | None = None
+    user: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: PosInt | None = None
+    logprobs: bool = False
+    top_logprobs: TopLogprobs | None = None
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    prompt: str | Annotated[list[str | int], Meta(min_length=1)]
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+# ---- responses ----------------------------------------------------------------------
+class Usage(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Struct):
+    content: list[TokenLogprob]
+
+
+class ResponseMessage(Struct):
+    content: str
+    role: Literal["assistant"] = "assistant"
+
+
+class ChatChoice(Struct):
+    index: int
+    message: ResponseMessage
+    finish_reason: str
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletion(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: Literal["chat.completion"] = "chat.completion"
+
+
+class Delta(Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChunkChoice(Struct):
+    index: int
+    delta: Delta
+    finish_reason: str | None = None
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletionChunk(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: CompletionLogprobs | None = None
+
+
+class Completion(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    object: Literal["text_completion"] = "text_completion"
+    usage: Usage | None = None
+
+
+class ModelCard(Struct):
+    id: str
+    created: int
+    owned_by: str = "deepseek-one-gpu"
+    object: Literal["model"] = "model"
+    max_model_len: int = 0
+
+
+class ModelList(Struct):
+    data: list[ModelCard]
+    object: Literal["list"] = "list"
+
+
+class ErrorDetail(Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(Struct):
+    error: ErrorDetail
+
+
+CHAT_DECODER = msgspec.json.Decoder(ChatCompletionRequest)
+COMPLETION_DECODER = msgspec.json.Decoder(CompletionRequest)
+ENCODER = msgspec.json.Encoder()

@@ -1,0 +1,46 @@
+"""What the routes share: settings and the live model, loop and metrics (built in the
+app's lifespan, carried on `app.state`, never module globals)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from starlette.requests import Request
+
+from api.metrics import Metrics
+from engine.chat_template import ChatTemplate
+from engine.config import EngineConfig
+from engine.model import Model
+from scheduler.loop import EngineLoop
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    engine: EngineConfig
+    served_model_name: str | None = None
+    chat_template: Path | None = None
+    max_waiting: int = 256
+    max_num_batched_tokens: int | None = None  # per step; None = the context's n_batch
+    max_model_len: int | None = None  # per request; None = min(n_ctx, training context)
+    api_key: str | None = None
+    drain_s: float = 30.0
+
+
+@dataclass(slots=True)
+class ServerState:
+    settings: ServerSettings
+    model: Model
+    loop: EngineLoop
+    metrics: Metrics
+    template: ChatTemplate
+    model_name: str
+    max_model_len: int
+    created: int
+    draining: bool = False
+    aliases: frozenset[str] = field(default_factory=frozenset)
+
+
+def server_state(request: Request) -> ServerState:
+    state: ServerState = request.app.state.server
+    return state

@@ -1,0 +1,39 @@
+"""Engine options: what the model and context are loaded with."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+FlashAttn = Literal["auto", "on", "off"]
+
+
+def default_threads() -> int:
+    """Physical-ish core count: llama.cpp gains nothing from SMT siblings."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, n)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How to load the model and its one context.
+
+    `n_ctx` is the size of the shared KV pool (tokens, all sequences together, a unified
+    cache); `n_seq_max` bounds how many requests run at once; `n_batch` is the most tokens
+    one step may submit (llama.cpp aborts the process above it, so the engine refuses first).
+    """
+
+    model_path: str
+    n_ctx: int = 16384
+    n_seq_max: int = 32
+    n_batch: int = 2048
+    n_ubatch: int = 512
+    n_threads: int = 0  # 0 = all cores this process may use
+    n_threads_batch: int = 0
+    flash_attn: FlashAttn = "auto"
+    n_gpu_layers: int = -1  # all layers on the GPU when there is one
+
+    def threads(self) -> tuple[int, int]:
+        t = self.n_threads or default_threads()
+        return t, self.n_threads_batch or t

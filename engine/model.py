@@ -1,0 +1,155 @@
+"""Load a GGUF model and its one llama.cpp context; own both native handles.
+
+Also the model-side facts the rest of the server needs: tokenizer, token pieces for
+incremental detokenization, end-of-generation tokens, the GGUF's chat template.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+from typing import Any
+
+from engine._capi import llama
+from engine.config import EngineConfig
+from engine.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+_FLASH = {"auto": -1, "off": 0, "on": 1}
+
+
+class Model:
+    """A loaded model plus context. `close()` frees both; the object is unusable after."""
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        ll = llama()
+        self.ll = ll
+        self.cfg = cfg
+        path = Path(cfg.model_path)
+        if not path.is_file():
+            raise ModelLoadError(f"model file not found: {path}")
+        mparams = ll.llama_model_default_params()
+        mparams.n_gpu_layers = cfg.n_gpu_layers
+        self.model = ll.llama_model_load_from_file(str(path).encode(), mparams)
+        if not self.model:
+            raise ModelLoadError(f"llama.cpp could not load {path}")
+        self.vocab = ll.llama_model_get_vocab(self.model)
+        self.n_vocab: int = ll.llama_vocab_n_tokens(self.vocab)
+        self.n_ctx_train: int = ll.llama_model_n_ctx_train(self.model)
+
+        cparams = ll.llama_context_default_params()
+        n_threads, n_threads_batch = cfg.threads()
+        cparams.n_ctx = cfg.n_ctx
+        cparams.n_batch = cfg.n_batch
+        cparams.n_ubatch = min(cfg.n_ubatch, cfg.n_batch)
+        cparams.n_seq_max = cfg.n_seq_max
+        cparams.n_threads = n_threads
+        cparams.n_threads_batch = n_threads_batch
+        cparams.flash_attn_type = _FLASH[cfg.flash_attn]
+        cparams.kv_unified = True  # one pool shared by all sequences: admission is by tokens
+        cparams.no_perf = True
+        self.ctx = ll.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            ll.llama_model_free(self.model)
+            raise ModelLoadError("llama.cpp could not create a context (out of memory?)")
+        self.memory = ll.llama_get_memory(self.ctx)
+        self.n_ctx: int = ll.llama_n_ctx(self.ctx)
+        self.n_batch: int = ll.llama_n_batch(self.ctx)
+        self.n_seq_max: int = ll.llama_n_seq_max(self.ctx)
+        self.add_bos: bool = bool(ll.llama_vocab_get_add_bos(self.vocab))
+        self._pieces: list[bytes | None] = [None] * self.n_vocab
+        self._piece_buf = ctypes.create_string_buffer(256)
+        log.info(
+            "loaded %s: n_vocab=%d n_ctx_train=%d n_ctx=%d n_batch=%d n_seq_max=%d threads=%d/%d",
+            path.name, self.n_vocab, self.n_ctx_train, self.n_ctx, self.n_batch,
+            self.n_seq_max, n_threads, n_threads_batch,
+        )  # fmt: skip
+
+    # ---- tokenizer -------------------------------------------------------------------
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        """Text to token ids; thread-safe (reads the vocabulary only)."""
+        data = text.encode("utf-8")
+        cap = len(data) + 16
+        buf = (self.ll.llama_token * cap)()
+        n = self.ll.llama_tokenize(
+            self.vocab, data, len(data), buf, cap, add_special, parse_special
+        )
+        if n < 0:
+            cap = -n
+            buf = (self.ll.llama_token * cap)()
+            n = self.ll.llama_tokenize(
+                self.vocab, data, len(data), buf, cap, add_special, parse_special
+            )
+        return list(buf[:n])
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a token renders to (special tokens render empty); cached per token."""
+        piece = self._pieces[token]
+        if piece is None:
+            piece = self._render(token, special=False)
+            self._pieces[token] = piece
+        return piece
+
+    def token_text(self, token: int) -> bytes:
+        """The token as logprobs show it: special tokens by their name."""
+        return self._render(token, special=True)
+
+    def _render(self, token: int, *, special: bool) -> bytes:
+        buf = self._piece_buf
+        n = self.ll.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = self.ll.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        return buf.raw[:n]
+
+    def is_eog(self, token: int) -> bool:
+        return bool(self.ll.llama_vocab_is_eog(self.vocab, token))
+
+    def special_text(self, token: int) -> str:
+        """Text of a special token (BOS/EOS) for chat templates; '' when the model has none."""
+        if token < 0:
+            return ""
+        return self.token_text(token).decode("utf-8", "replace")
+
+    @property
+    def bos_token(self) -> str:
+        return self.special_text(self.ll.llama_vocab_bos(self.vocab))
+
+    @property
+    def eos_token(self) -> str:
+        return self.special_text(self.ll.llama_vocab_eos(self.vocab))
+
+    def chat_template(self) -> str | None:
+        """The GGUF's `tokenizer.chat_template`, if it carries one."""
+        ptr = self.ll.llama_model_chat_template(self.model, None)
+        return ptr.decode("utf-8") if ptr else None
+
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(1024)
+        n = self.ll.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace") if n >= 0 else None
+
+    # ---- KV ---------------------------------------------------------------------------
+    def seq_rm(self, seq_id: int) -> None:
+        """Drop every KV cell of a sequence."""
+        self.ll.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        """Largest position stored for a sequence; -1 when it holds none."""
+        return int(self.ll.llama_memory_seq_pos_max(self.memory, seq_id))
+
+    def close(self) -> None:
+        if getattr(self, "ctx", None):
+            self.ll.llama_free(self.ctx)
+            self.ctx = None
+        if getattr(self, "model", None):
+            self.ll.llama_model_free(self.model)
+            self.model = None
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

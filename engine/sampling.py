@@ -1,0 +1,107 @@
+"""Per-sequence token sampling: llama.cpp sampler chains, a numpy fast path, logprobs.
+
+Greedy requests without penalties skip llama.cpp's chain and take `argmax` of the logits
+row directly (same result, no per-token sampler overhead). Logprobs always come from the
+raw logits row (log-softmax), as OpenAI reports the model's own distribution.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from engine.step_types import Sampled, SamplingParams, SeqStart
+
+PENALTY_LAST_N = 64
+_RANDOM_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: llama.cpp picks a random seed
+
+
+class SamplerBank:
+    """Owns one sampler chain per live sequence (none for plain greedy)."""
+
+    def __init__(self, ll: Any, ctx: Any, n_vocab: int) -> None:
+        self.ll = ll
+        self.ctx = ctx
+        self.n_vocab = n_vocab
+        self._chains: dict[int, Any] = {}
+        self._params: dict[int, SamplingParams] = {}
+
+    def start(self, s: SeqStart) -> None:
+        self.release(s.seq_id)
+        p = s.params
+        self._params[s.seq_id] = p
+        if p.is_greedy and not p.has_penalties:
+            return
+        chain = self._build(p)
+        for tok in s.history:
+            self.ll.llama_sampler_accept(chain, tok)
+        self._chains[s.seq_id] = chain
+
+    def release(self, seq_id: int) -> None:
+        chain = self._chains.pop(seq_id, None)
+        if chain is not None:
+            self.ll.llama_sampler_free(chain)
+        self._params.pop(seq_id, None)
+
+    def close(self) -> None:
+        for seq_id in list(self._chains):
+            self.release(seq_id)
+
+    def _build(self, p: SamplingParams) -> Any:
+        ll = self.ll
+        chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+        add = ll.llama_sampler_chain_add
+        if p.has_penalties:
+            add(
+                chain,
+                ll.llama_sampler_init_penalties(
+                    PENALTY_LAST_N, p.repetition_penalty, p.frequency_penalty, p.presence_penalty
+                ),
+            )
+        if p.is_greedy:
+            add(chain, ll.llama_sampler_init_greedy())
+            return chain
+        if p.top_k > 0:
+            add(chain, ll.llama_sampler_init_top_k(p.top_k))
+        if p.top_p < 1.0:
+            add(chain, ll.llama_sampler_init_top_p(p.top_p, 1))
+        if p.min_p > 0.0:
+            add(chain, ll.llama_sampler_init_min_p(p.min_p, 1))
+        add(chain, ll.llama_sampler_init_temp(p.temperature))
+        seed = _RANDOM_SEED if p.seed is None else p.seed & 0xFFFFFFFF
+        add(chain, ll.llama_sampler_init_dist(seed))
+        return chain
+
+    def sample(self, seq_id: int, batch_idx: int) -> Sampled:
+        """Sample the next token of `seq_id` from the logits of batch position `batch_idx`."""
+        p = self._params[seq_id]
+        chain = self._chains.get(seq_id)
+        row = None
+        if chain is None:
+            row = self._row(batch_idx)
+            token = int(row.argmax())
+        else:
+            token = int(self.ll.llama_sampler_sample(chain, self.ctx, batch_idx))
+        if not p.logprobs:
+            return Sampled(token)
+        if row is None:
+            row = self._row(batch_idx)
+        return _with_logprobs(token, row, p.top_logprobs)
+
+    def _row(self, batch_idx: int) -> np.ndarray:
+        ptr = self.ll.llama_get_logits_ith(self.ctx, batch_idx)
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+
+
+def _with_logprobs(token: int, row: np.ndarray, k: int) -> Sampled:
+    """Log-softmax of the raw logits: the chosen token's logprob and the `k` most likely."""
+    x = row.astype(np.float64)  # [V]
+    m = x.max()
+    lse = m + np.log(np.exp(x - m).sum())
+    top: list[tuple[int, float]] = []
+    if k > 0:
+        idx = np.argpartition(-x, k - 1)[:k]
+        idx = idx[np.argsort(-x[idx], kind="stable")]
+        top = [(int(i), float(x[i] - lse)) for i in idx]
+    return Sampled(token, float(x[token] - lse), top)

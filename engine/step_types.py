@@ -1,0 +1,91 @@
+"""The contract between the scheduler and the engine's one step call.
+
+Plain data, no native code: the scheduler core builds a `StepBatch`, the engine returns a
+`StepResult`. Kept free of ctypes so the scheduler can be tested with a fake engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request sampling settings, OpenAI names mapped to llama.cpp samplers."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+@dataclass(slots=True)
+class SeqChunk:
+    """Tokens of one sequence fed in this step, at consecutive positions from `pos0`."""
+
+    seq_id: int
+    tokens: list[int]
+    pos0: int
+    sample: bool  # sample a next token from the logits of the chunk's last token
+
+
+@dataclass(slots=True)
+class SeqStart:
+    """A sequence that (re)starts in this step: the engine builds its sampler.
+
+    `history` holds tokens the sequence already generated (after a preemption), so that
+    penalty samplers see them again.
+    """
+
+    seq_id: int
+    params: SamplingParams
+    history: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """One `llama_decode` call: decode tokens first, then prompt chunks, within n_batch."""
+
+    chunks: list[SeqChunk]
+    starts: list[SeqStart] = field(default_factory=list)
+    released: list[int] = field(default_factory=list)  # seq ids whose KV and sampler to drop
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.tokens) for c in self.chunks)
+
+
+@dataclass(slots=True)
+class Sampled:
+    """The token sampled for one sequence, with logprobs when asked for."""
+
+    token: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one step produced: a sampled token per sequence that asked for one."""
+
+    sampled: dict[int, Sampled]
+    decode_s: float = 0.0  # time inside llama_decode
+    sample_s: float = 0.0  # time sampling and computing logprobs

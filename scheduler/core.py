@@ -1,0 +1,301 @@
+"""The scheduler core: which tokens go into the next step, and what a step's tokens mean.
+
+Synchronous and pure (no I/O, asyncio, ctypes or metrics): `schedule()` builds the next
+`StepBatch`, `postprocess()` folds the engine's `StepResult` back into request state and
+returns each request's stream delta plus the step's stats. Time is passed in, never read.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.step_types import Sampled, SeqChunk, SeqStart, StepBatch, StepResult
+from scheduler.kv import KVPool
+from scheduler.request import Request, RequestOutput, RequestStatus
+from scheduler.stats import FinishedStats, StepStats
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its bound; the caller should retry later."""
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int  # sequences decoding at once (llama.cpp seq ids)
+    kv_capacity: int  # KV cells shared by all sequences
+    max_num_batched_tokens: int  # tokens per step, at most the context's n_batch
+    max_waiting: int = 256  # queued requests beyond which add() refuses
+    max_prefill_chunk: int | None = None  # cap on one prompt chunk (None = the step budget)
+    kv_watermark: int = 0  # cells kept free when admitting, so decoders are not preempted
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """The step to run: `batch` for the engine, `reqs[i]` owning `batch.chunks[i]`."""
+
+    batch: StepBatch
+    reqs: list[Request] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        b = self.batch
+        return not (b.chunks or b.released or b.starts)
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig) -> None:
+        if cfg.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        self.cfg = cfg
+        self.pool = KVPool(cfg.kv_capacity, cfg.max_num_seqs)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._by_id: dict[str, Request] = {}
+        self._aborts: set[str] = set()
+        self._released: list[int] = []
+        self._finished: list[FinishedStats] = []  # finished outside a step (aborts)
+
+    # ---- inputs ----------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        if len(self.waiting) >= self.cfg.max_waiting:
+            raise QueueFull(f"{len(self.waiting)} requests already waiting")
+        self.waiting.append(req)
+        self._by_id[req.req_id] = req
+
+    def abort(self, req_id: str) -> None:
+        """Mark for removal at the next `schedule()` (a step may be running right now)."""
+        if req_id in self._by_id:
+            self._aborts.add(req_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._aborts or self._released)
+
+    # ---- schedule --------------------------------------------------------------------
+    def schedule(self, now: float) -> SchedulerOutput:
+        self._apply_aborts(now)
+        budget = self.cfg.max_num_batched_tokens
+        plan: dict[str, tuple[Request, int]] = {}  # insertion order = batch order
+        preempted = 0
+        # Decoders first: every running user gets its token before any prompt chunk.
+        for req in [r for r in self.running if r.is_decoding]:
+            if budget < 1:
+                break
+            if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            ok, n_pre = self._reserve(req, 1, plan)
+            preempted += n_pre
+            if ok:
+                plan[req.req_id] = (req, 1)
+                budget -= 1
+        budget = self.cfg.max_num_batched_tokens - sum(n for _, n in plan.values())
+        for req in [r for r in self.running if not r.is_decoding and r.req_id not in plan]:
+            if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(req.num_uncomputed, budget, self._chunk_cap())
+            if n < 1:
+                break
+            ok, n_pre = self._reserve(req, n, plan)
+            preempted += n_pre
+            if ok:
+                plan[req.req_id] = (req, n)
+                budget -= n
+        budget = self.cfg.max_num_batched_tokens - sum(n for _, n in plan.values())
+        starts: list[SeqStart] = []
+        while self.waiting and budget > 0 and self.pool.num_free_seqs > 0:
+            req = self.waiting[0]
+            n = min(req.num_uncomputed, budget, self._chunk_cap())
+            if self.pool.free - n < self.cfg.kv_watermark or n > self.pool.free:
+                break
+            self.waiting.popleft()
+            req.seq_id = self.pool.open()
+            req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            self.running.append(req)
+            starts.append(SeqStart(req.seq_id, req.params, list(req.output_ids)))
+            self.pool.grow(req.seq_id, n)
+            plan[req.req_id] = (req, n)
+            budget -= n
+
+        out = SchedulerOutput(StepBatch([], starts, self._released), num_preempted=preempted)
+        self._released = []
+        for req, n in plan.values():
+            assert req.seq_id is not None
+            pos0 = req.num_computed
+            chunk = SeqChunk(req.seq_id, req.tokens_from(pos0, n), pos0, pos0 + n == req.num_tokens)
+            out.batch.chunks.append(chunk)
+            out.reqs.append(req)
+        assert out.batch.num_tokens <= self.cfg.max_num_batched_tokens, "step over budget"
+        self.pool.sanity_checks()
+        return out
+
+    def _chunk_cap(self) -> int:
+        return self.cfg.max_prefill_chunk or self.cfg.max_num_batched_tokens
+
+    def _reserve(
+        self, req: Request, n: int, plan: dict[str, tuple[Request, int]]
+    ) -> tuple[bool, int]:
+        """Grow `req` by `n` cells, preempting the newest running requests if the pool is full.
+
+        Returns (reserved, number preempted); `req` itself may be the one preempted.
+        """
+        preempted = 0
+        while self.pool.free < n:
+            victim = self.running[-1]
+            plan.pop(victim.req_id, None)
+            self._preempt(victim)
+            preempted += 1
+            if victim is req:
+                return False, preempted
+        assert req.seq_id is not None
+        self.pool.grow(req.seq_id, n)
+        return True, preempted
+
+    def _preempt(self, req: Request) -> None:
+        """Free its KV and put it first in line; it recomputes prompt + output on resume."""
+        self._release_seq(req)
+        self.running.remove(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def rollback_kv_full(self, out: SchedulerOutput) -> None:
+        """The backend found no KV slot despite our accounting (llama.cpp left its cache as
+        before the call): undo the step's reservations and preempt the newest request."""
+        for req, chunk in zip(out.reqs, out.batch.chunks, strict=True):
+            if req.seq_id is not None:
+                self.pool.shrink(req.seq_id, len(chunk.tokens))
+        if self.running:
+            self._preempt(self.running[-1])
+
+    def _release_seq(self, req: Request) -> None:
+        if req.seq_id is not None:
+            self.pool.close(req.seq_id)
+            self._released.append(req.seq_id)
+            req.seq_id = None
+
+    def _apply_aborts(self, now: float) -> None:
+        for req_id in self._aborts:
+            req = self._by_id.get(req_id)
+            if req is None or req.status.is_finished:
+                continue
+            if req.status is RequestStatus.WAITING:
+                self.waiting.remove(req)
+            self._finish(req, RequestStatus.FINISHED_ABORTED, now, self._finished)
+        self._aborts.clear()
+
+    def _finish(
+        self, req: Request, status: RequestStatus, now: float, into: list[FinishedStats]
+    ) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        self._release_seq(req)
+        req.status = status
+        del self._by_id[req.req_id]
+        started = req.first_scheduled_time
+        into.append(
+            FinishedStats(
+                finish_reason=status.finish_reason or "",
+                num_prompt_tokens=req.num_prompt,
+                num_output_tokens=len(req.output_ids),
+                e2e_s=now - req.arrival_time,
+                queue_s=None if started is None else started - req.arrival_time,
+            )
+        )
+
+    # ---- postprocess -----------------------------------------------------------------
+    def postprocess(
+        self, out: SchedulerOutput, result: StepResult, now: float
+    ) -> tuple[list[RequestOutput], StepStats]:
+        """The one loop over a step's outputs: advance, append, detokenize, stop, finish."""
+        stats = StepStats(
+            num_step_tokens=out.batch.num_tokens,
+            num_step_seqs=len(out.batch.chunks),
+            num_preempted=out.num_preempted,
+            decode_s=result.decode_s,
+            sample_s=result.sample_s,
+        )
+        outputs: list[RequestOutput] = []
+        for req, chunk in zip(out.reqs, out.batch.chunks, strict=True):
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            req.num_computed += len(chunk.tokens)
+            if chunk.sample:
+                outputs.append(self._append(req, result.sampled[chunk.seq_id], now, stats))
+        return outputs, self._close_stats(stats)
+
+    def fail(self, out: SchedulerOutput, now: float) -> tuple[list[RequestOutput], StepStats]:
+        """The engine failed this step: end its requests with `error`, keep the rest going."""
+        stats = StepStats()
+        outputs = []
+        for req in out.reqs:
+            if req.status is RequestStatus.RUNNING:
+                self._finish(req, RequestStatus.FINISHED_ERROR, now, stats.finished)
+                outputs.append(self._output(req, "", [], "error"))
+        return outputs, self._close_stats(stats)
+
+    def _append(self, req: Request, s: Sampled, now: float, stats: StepStats) -> RequestOutput:
+        tok = s.token
+        req.output_ids.append(tok)
+        stats.num_generated_tokens += 1
+        if req.first_token_time is None:
+            req.first_token_time = now
+            stats.ttft_s.append(now - req.arrival_time)
+            if req.first_scheduled_time is not None:
+                stats.queue_s.append(req.first_scheduled_time - req.arrival_time)
+            stats.num_prompt_tokens += req.num_prompt
+        elif req.last_token_time is not None:
+            stats.itl_s.append(now - req.last_token_time)
+        req.last_token_time = now
+
+        status: RequestStatus | None = None
+        hit = False
+        if req.is_eog(tok):
+            text = ""
+            status = RequestStatus.FINISHED_STOPPED
+        else:
+            text, hit = req.stops.feed(req.detok.add(tok))
+            if hit:
+                status = RequestStatus.FINISHED_STOPPED
+        if status is None and len(req.output_ids) >= req.max_tokens:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None and not hit:
+            tail, hit = req.stops.feed(req.detok.flush())
+            text += tail if hit else tail + req.stops.flush()
+            if hit:
+                status = RequestStatus.FINISHED_STOPPED
+        logprobs = [s] if req.params.logprobs else []
+        if status is not None:
+            self._finish(req, status, now, stats.finished)
+        return self._output(req, text, [tok], status.finish_reason if status else None, logprobs)
+
+    @staticmethod
+    def _output(
+        req: Request,
+        text: str,
+        token_ids: list[int],
+        finish_reason: str | None,
+        logprobs: list[Sampled] | None = None,
+    ) -> RequestOutput:
+        return RequestOutput(
+            req_id=req.req_id,
+            text=text,
+            token_ids=token_ids,
+            logprobs=logprobs or [],
+            finish_reason=finish_reason,
+            num_prompt_tokens=req.num_prompt,
+            num_output_tokens=len(req.output_ids),
+        )
+
+    def _close_stats(self, stats: StepStats) -> StepStats:
+        stats.finished.extend(self._finished)
+        self._finished.clear()
+        stats.num_running = len(self.running)
+        stats.num_waiting = len(self.waiting)
+        stats.kv_used = self.pool.used
+        stats.kv_capacity = self.pool.capacity
+        return stats

@@ -1,0 +1,58 @@
+"""Accounting for the KV pool: sequence ids and cells (one cell per token per sequence).
+
+The backend is a unified llama.cpp cache of `capacity` cells shared by all sequences;
+the scheduler mirrors its use here so admission and preemption never need to ask it.
+"""
+
+from __future__ import annotations
+
+
+class KVPool:
+    def __init__(self, capacity: int, num_seqs: int) -> None:
+        self.capacity = capacity
+        self.num_seqs = num_seqs
+        self._free_seqs = list(range(num_seqs - 1, -1, -1))  # pop() hands out 0 first
+        self._cells: dict[int, int] = {}
+        self.used = 0
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.used
+
+    @property
+    def num_free_seqs(self) -> int:
+        return len(self._free_seqs)
+
+    def open(self) -> int:
+        """Take a free sequence id (caller checks `num_free_seqs` first)."""
+        seq = self._free_seqs.pop()
+        self._cells[seq] = 0
+        return seq
+
+    def grow(self, seq: int, n: int) -> None:
+        """Reserve `n` more cells for `seq` (caller checks `free` first)."""
+        if n > self.free:
+            raise ValueError(f"KV pool: {n} cells asked, {self.free} free")
+        self._cells[seq] += n
+        self.used += n
+
+    def shrink(self, seq: int, n: int) -> None:
+        """Give back `n` cells reserved for a step that did not run."""
+        self._cells[seq] -= n
+        self.used -= n
+
+    def close(self, seq: int) -> int:
+        """Return a sequence id and all its cells; returns the cells freed."""
+        n = self._cells.pop(seq)
+        self.used -= n
+        self._free_seqs.append(seq)
+        return n
+
+    def cells(self, seq: int) -> int:
+        return self._cells[seq]
+
+    def sanity_checks(self) -> None:
+        assert self.used == sum(self._cells.values()), "cell count drifted"
+        assert 0 <= self.used <= self.capacity, "pool over capacity"
+        assert len(self._free_seqs) + len(self._cells) == self.num_seqs, "seq ids leaked"
+        assert not set(self._free_seqs) & set(self._cells), "seq id both free and open"

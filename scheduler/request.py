@@ -1,0 +1,101 @@
+"""A request's state as the scheduler sees it, and what it streams back."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.detok import IncrementalDetokenizer
+from engine.step_types import Sampled, SamplingParams
+from scheduler.stops import StopMatcher
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: everything from FINISHED_STOPPED on is final."""
+
+    WAITING = 0
+    RUNNING = 1
+    FINISHED_STOPPED = 10
+    FINISHED_LENGTH = 11
+    FINISHED_ABORTED = 12
+    FINISHED_ERROR = 13
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _REASONS.get(self)
+
+
+_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(slots=True)
+class Request:
+    """One sequence to generate. `num_computed` counts tokens of prompt + output in KV.
+
+    There are no prefill/decode phases: each step catches `num_computed` up with
+    `num_tokens` under the step's budget, so a long prompt is simply several chunks and a
+    decoding request has exactly one uncomputed token (the one it sampled last).
+    """
+
+    req_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    arrival_time: float
+    detok: IncrementalDetokenizer
+    stops: StopMatcher
+    is_eog: Callable[[int], bool]
+    status: RequestStatus = RequestStatus.WAITING
+    seq_id: int | None = None
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        """Prompt done; only the last sampled token is waiting to be fed."""
+        return bool(self.output_ids) and self.num_uncomputed == 1
+
+    def tokens_from(self, start: int, n: int) -> list[int]:
+        p = self.num_prompt
+        if start + n <= p:
+            return self.prompt_ids[start : start + n]
+        return (self.prompt_ids + self.output_ids)[start : start + n]
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step adds to one request's stream."""
+
+    req_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[Sampled]
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int

@@ -1,0 +1,36 @@
+"""What the scheduler reports after each step; only api/metrics.py turns it into Prometheus."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class FinishedStats:
+    finish_reason: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    e2e_s: float
+    queue_s: float | None  # None when it never got scheduled
+
+
+@dataclass(slots=True)
+class StepStats:
+    """One step's figures, plus the pool and queue state after it."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_used: int = 0
+    kv_capacity: int = 0
+    num_step_tokens: int = 0
+    num_step_seqs: int = 0
+    num_prompt_tokens: int = 0  # prompt tokens whose prefill completed in this step
+    num_generated_tokens: int = 0
+    num_preempted: int = 0
+    decode_s: float = 0.0  # inside llama_decode
+    sample_s: float = 0.0  # sampling + logprobs in the engine
+    step_s: float = 0.0  # whole step as the loop saw it (schedule → postprocess)
+    ttft_s: list[float] = field(default_factory=list)
+    queue_s: list[float] = field(default_factory=list)
+    itl_s: list[float] = field(default_factory=list)
+    finished: list[FinishedStats] = field(default_factory=list)
