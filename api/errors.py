@@ -88,6 +88,7 @@ class GenerationFailed(APIError):
 
 
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
+_MISSING = re.compile(r"missing required field `([^`]+)`")
 
 
 def from_decode_error(err: msgspec.DecodeError) -> InvalidRequest:
@@ -95,6 +96,9 @@ def from_decode_error(err: msgspec.DecodeError) -> InvalidRequest:
     text = str(err)
     m = _PATH.search(text)
     param = m.group(1) if m and m.group(1) else None
+    missing = _MISSING.search(text)
+    if missing:
+        param = f"{param}.{missing.group(1)}" if param else missing.group(1)
     if isinstance(err, msgspec.ValidationError):
         return InvalidRequest(f"Invalid request: {text}", param=param)
     return InvalidRequest(f"Malformed JSON body: {text}")

@@ -1,0 +1,21 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.server_proc import Server, start_server
+
+MODEL = "gemma-3-270m"
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The embedded model served as `make serve` would, with a small per-step budget so
+    long prompts are visibly chunked."""
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    srv = start_server(
+        ["--n-ctx", "16384", "--n-seq-max", "24", "--max-num-batched-tokens", "512"], log
+    )
+    yield srv
+    srv.stop()

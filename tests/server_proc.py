@@ -1,0 +1,69 @@
+"""Run the real server as a subprocess on a free loopback port, for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> int:
+        self.proc.terminate()
+        try:
+            return self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def start_server(args: list[str], log_path: Path, ready_timeout_s: float = 120.0) -> Server:
+    """Start `one-gpu serve ARGS` and wait until /health answers 200 (or fail with its log)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "api.cli", "serve", "--port", str(port), *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with log_path.open("wb") as logf:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT, env=env)
+    server = Server(proc, port, log_path)
+    deadline = time.monotonic() + ready_timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(server.url + "/health", timeout=1.0).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)  # polling a readiness condition, bounded by the deadline
+    server.stop()
+    raise RuntimeError(f"server not ready in {ready_timeout_s}s:\n{server.log()}")

@@ -1,0 +1,454 @@
+"""End to end: a real server process on the embedded model, driven by the official
+`openai` client with strict response validation."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import httpx
+import openai
+import pytest
+from openai import AsyncOpenAI, OpenAI
+from openai.types import Completion
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import MODEL
+from tests.server_proc import Server
+
+pytestmark = pytest.mark.e2e
+T = TypeVar("T")
+
+CHAT = [{"role": "user", "content": "Write a short story about a robot."}]
+PROMPT = "Once upon a time, in a small village,"
+
+
+def client(server: Server, **kw: Any) -> OpenAI:
+    return OpenAI(base_url=server.base_url, api_key="none", _strict_response_validation=True, **kw)
+
+
+def aclient(server: Server) -> AsyncOpenAI:
+    return AsyncOpenAI(
+        base_url=server.base_url, api_key="none", _strict_response_validation=True, max_retries=0
+    )
+
+
+def arun(server: Server, fn: Callable[[AsyncOpenAI], Awaitable[T]]) -> T:
+    """Run `fn(client)` in a fresh event loop and close the client after."""
+
+    async def main() -> T:
+        async with aclient(server) as c:
+            return await fn(c)
+
+    return asyncio.run(main())
+
+
+def metrics(server: Server) -> dict[str, float]:
+    """Every sample of /metrics by name plus labels, parsed by prometheus_client."""
+    text = httpx.get(server.url + "/metrics").text
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def wait_for(pred: Any, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)  # polling a condition, bounded by the deadline
+    return bool(pred())
+
+
+def test_models_lists_the_served_model(server: Server) -> None:
+    ids = [m.id for m in client(server).models.list()]
+    assert MODEL in ids
+
+
+def test_chat_completion_non_streaming(server: Server) -> None:
+    r = client(server).chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=12, temperature=0
+    )
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage is not None and r.usage.prompt_tokens > 5
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_chat_streaming_equals_non_streaming(server: Server) -> None:
+    c = client(server)
+    full = c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0)
+    chunks = list(
+        c.chat.completions.create(
+            model=MODEL,
+            messages=CHAT,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert len({ch.id for ch in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == full.choices[0].message.content
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
+    assert finishes[-1] == full.choices[0].finish_reason
+    assert all(f is None for f in finishes[:-1])
+    usage_chunk = chunks[-1]
+    assert usage_chunk.choices == [] and usage_chunk.usage is not None
+    assert usage_chunk.usage == full.usage
+    if full.choices[0].finish_reason == "length":
+        assert full.usage is not None and full.usage.completion_tokens == 24
+
+
+def test_completion_non_streaming_and_streaming_agree(server: Server) -> None:
+    c = client(server)
+    full = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0)
+    assert full.object == "text_completion"
+    assert full.choices[0].finish_reason in ("stop", "length")
+    # OpenAI's streamed completion chunks carry `finish_reason: null` until the last one,
+    # which the client's own `CompletionChoice` type (non-Optional) rejects in strict mode —
+    # for the real OpenAI API too. So the stream is read with a default client and every
+    # chunk is validated against the `Completion` model with only that field relaxed.
+    loose = OpenAI(base_url=server.base_url, api_key="none")
+    raw = list(
+        loose.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    for ch in raw:
+        data = ch.model_dump()
+        for choice in data["choices"]:
+            choice["finish_reason"] = choice["finish_reason"] or "length"
+        Completion.model_validate(data, strict=False)
+    assert len({ch.id for ch in raw}) == 1
+    text = "".join(ch.choices[0].text for ch in raw if ch.choices)
+    assert text == full.choices[0].text
+    assert raw[-1].choices == [] and raw[-1].usage == full.usage
+    assert raw[-2].choices[0].finish_reason == full.choices[0].finish_reason
+
+
+def test_usage_counts_are_exact(server: Server) -> None:
+    """completion_tokens is the number of generated tokens (one logprob entry each), and
+    prompt_tokens the tokenized prompt (token-id prompts are taken as they are)."""
+    c = client(server)
+    ids = [2, 818, 5279, 529, 7001, 563]
+    r = c.completions.create(model=MODEL, prompt=ids, max_tokens=7, temperature=0, logprobs=2)
+    assert r.usage is not None
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.choices[0].logprobs is not None and r.choices[0].logprobs.tokens is not None
+    assert r.usage.completion_tokens == len(r.choices[0].logprobs.tokens)
+    chat = c.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=9, temperature=0, logprobs=True, top_logprobs=3
+    )
+    lp = chat.choices[0].logprobs
+    assert chat.usage is not None and lp is not None and lp.content is not None
+    assert chat.usage.completion_tokens == len(lp.content)
+    for tok in lp.content:
+        assert tok.logprob <= 0.0
+        assert len(tok.top_logprobs) == 3
+        assert tok.top_logprobs[0].logprob >= tok.logprob - 1e-6  # greedy takes the top
+
+
+def test_stop_string_is_cut_even_across_tokens(server: Server) -> None:
+    c = client(server)
+    text = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0)
+    full = text.choices[0].text
+    assert len(full) > 12
+    stop = full[5:12]  # most likely spans a token boundary
+    cut = full[: full.index(stop)]
+    for stream in (False, True):
+        if stream:
+            got = "".join(
+                ch.choices[0].text
+                for ch in OpenAI(base_url=server.base_url, api_key="none").completions.create(
+                    model=MODEL,
+                    prompt=PROMPT,
+                    max_tokens=30,
+                    temperature=0,
+                    stop=[stop],
+                    stream=True,
+                )
+                if ch.choices
+            )
+        else:
+            r = c.completions.create(
+                model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0, stop=stop
+            )
+            got = r.choices[0].text
+            assert r.choices[0].finish_reason == "stop"
+        assert got == cut
+        assert stop not in got
+
+
+def test_n_choices_and_seed(server: Server) -> None:
+    c = client(server)
+    kw: dict[str, Any] = dict(model=MODEL, messages=CHAT, max_tokens=10, temperature=0.9, seed=7)
+    a = c.chat.completions.create(n=3, **kw)
+    b = c.chat.completions.create(n=3, **kw)
+    assert [ch.index for ch in a.choices] == [0, 1, 2]
+    assert [ch.message.content for ch in a.choices] == [ch.message.content for ch in b.choices]
+    assert a.usage is not None
+    assert a.usage.completion_tokens <= 30
+
+
+async def _chat_stream(c: AsyncOpenAI, max_tokens: int, content: str = PROMPT) -> Any:
+    return await c.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": content}],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+    )
+
+
+def _has_text(ch: Any) -> bool:
+    return bool(ch.choices and ch.choices[0].delta.content)
+
+
+async def _stream_times(c: AsyncOpenAI, max_tokens: int) -> list[float]:
+    """Arrival time of each streamed text chunk."""
+    return [time.monotonic() async for ch in await _chat_stream(c, max_tokens) if _has_text(ch)]
+
+
+def test_concurrent_clients_share_decode_steps(server: Server) -> None:
+    before = metrics(server)
+
+    async def run(c: AsyncOpenAI) -> list[list[float]]:
+        return await asyncio.gather(*[_stream_times(c, 24) for _ in range(8)])
+
+    results = arun(server, run)
+    assert all(len(t) > 10 for t in results)
+    after = metrics(server)
+    steps = after["onegpu_step_sequences_count"] - before["onegpu_step_sequences_count"]
+    solo = (
+        after["onegpu_step_sequences_bucket{le=1.0}"]
+        - before["onegpu_step_sequences_bucket{le=1.0}"]
+    )
+    assert steps > 0
+    assert steps - solo > 5, "steps carrying more than one sequence"
+    seqs = after["onegpu_step_sequences_sum"] - before["onegpu_step_sequences_sum"]
+    assert seqs / steps > 3  # most steps carry several of the 8 users
+
+
+def test_new_request_streams_before_running_ones_finish(server: Server) -> None:
+    async def run(c: AsyncOpenAI) -> tuple[list[list[float]], list[float]]:
+        started = asyncio.Event()
+
+        async def long() -> list[float]:
+            times = []
+            async for ch in await _chat_stream(c, 120):
+                if _has_text(ch):
+                    times.append(time.monotonic())
+                    if len(times) == 3:
+                        started.set()
+            return times
+
+        longs = [asyncio.create_task(long()) for _ in range(2)]
+        await started.wait()
+        late = await _stream_times(c, 3)
+        return list(await asyncio.gather(*longs)), late
+
+    longs, late = arun(server, run)
+    assert late, "late request produced text"
+    assert all(late[0] < t[-1] for t in longs), "late request waited for the others to finish"
+
+
+def test_long_prompt_is_chunked_while_others_keep_decoding(server: Server) -> None:
+    long_prompt = "The quick brown fox jumps over the lazy dog. " * 450  # ~4,500 tokens
+    before = metrics(server)
+
+    async def run(c: AsyncOpenAI) -> tuple[list[list[float]], float, float, int]:
+        decoding = asyncio.Event()
+
+        async def decoder() -> list[float]:
+            times = []
+            stream = await _chat_stream(c, 400)
+            async for ch in stream:
+                if _has_text(ch):
+                    times.append(time.monotonic())
+                    if len(times) == 2:
+                        decoding.set()
+                    if long_done.is_set() and len(times) > 2:
+                        await stream.close()
+                        break
+            return times
+
+        long_done = asyncio.Event()
+        tasks = [asyncio.create_task(decoder()) for _ in range(2)]
+        await decoding.wait()
+        t_sent = time.monotonic()
+        r = await c.completions.create(model=MODEL, prompt=long_prompt, max_tokens=1)
+        t_done = time.monotonic()
+        long_done.set()
+        assert r.usage is not None
+        return list(await asyncio.gather(*tasks)), t_sent, t_done, r.usage.prompt_tokens
+
+    decoders, t_sent, t_done, n_prompt = arun(server, run)
+    assert n_prompt >= 4000
+    after = metrics(server)
+    big_steps = (after["onegpu_step_tokens_count"] - before["onegpu_step_tokens_count"]) - (
+        after["onegpu_step_tokens_bucket{le=256.0}"] - before["onegpu_step_tokens_bucket{le=256.0}"]
+    )
+    assert big_steps >= n_prompt // 512, "the prompt went in several budget-sized chunks"
+    assert after["onegpu_step_tokens_bucket{le=512.0}"] == after["onegpu_step_tokens_count"]
+    for times in decoders:
+        during = [t for t in times if t_sent < t < t_done]
+        assert len(during) >= 4, "decoders kept receiving tokens during the prefill"
+
+
+def test_disconnecting_20_streaming_clients_frees_everything(server: Server) -> None:
+    async def run(c: AsyncOpenAI) -> None:
+
+        async def one() -> None:
+            stream = await c.chat.completions.create(
+                model=MODEL, messages=CHAT, max_tokens=500, temperature=0.8, stream=True
+            )
+            n = 0
+            async for _ in stream:
+                n += 1
+                if n == 3:
+                    break
+            await stream.close()
+
+        await asyncio.gather(*[one() for _ in range(20)])
+
+    arun(server, run)
+
+    def idle() -> bool:
+        m = metrics(server)
+        return (
+            m["onegpu_requests_running"] == 0
+            and m["onegpu_requests_waiting"] == 0
+            and m["onegpu_kv_cache_used_cells"] == 0
+        )
+
+    assert wait_for(idle, 1.0), metrics(server)
+    m = metrics(server)
+    assert m["onegpu_requests_finished_total{finish_reason=abort}"] >= 20
+    r = client(server).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5)
+    assert r.choices[0].message.content is not None
+
+
+def _error(resp: httpx.Response, status: int) -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    err: dict[str, Any] = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"]
+    return err
+
+
+def test_bad_requests_get_openai_errors_and_do_not_disturb_others(server: Server) -> None:
+    url = server.base_url
+    c = client(server)
+
+    async def run(ac: AsyncOpenAI) -> tuple[str, str | None]:
+        text, finish = "", None
+        fired = False
+        async for ch in await _chat_stream(ac, 40):
+            if ch.choices:
+                text += ch.choices[0].delta.content or ""
+                finish = ch.choices[0].finish_reason or finish
+            if not fired:
+                fired = True
+                await asyncio.to_thread(fire_bad_requests)
+        return text, finish
+
+    def fire_bad_requests() -> None:
+        with httpx.Client(timeout=30) as h:
+            post = lambda path, **kw: h.post(url + path, **kw)  # noqa: E731
+            err = _error(post("/chat/completions", content=b"{not json"), 400)
+            assert err["type"] == "invalid_request_error"
+            err = _error(post("/completions", json={"model": MODEL, "prompt": "a",
+                                                    "max_tokens": "ten"}), 400)  # fmt: skip
+            assert err["param"] == "max_tokens"
+            err = _error(post("/chat/completions", json={"model": MODEL, "messages": []}), 400)
+            assert err["param"] == "messages"
+            err = _error(post("/completions", json={"model": MODEL, "prompt": "a",
+                                                    "temperature": 7}), 400)  # fmt: skip
+            assert err["param"] == "temperature"
+            err = _error(post("/completions", json={"model": MODEL, "prompt": "a", "n": 0}), 400)
+            assert err["param"] == "n"
+            err = _error(post("/completions", json={"prompt": "a"}), 400)
+            assert err["param"] == "model"
+            err = _error(post("/completions", json={"model": "no-such", "prompt": "a"}), 404)
+            assert err["code"] == "model_not_found"
+            err = _error(post("/completions", json={"model": MODEL, "prompt": "a",
+                                                    "max_tokens": 10**6}), 400)  # fmt: skip
+            assert err["code"] == "context_length_exceeded"
+            huge = "word " * 17000
+            err = _error(post("/completions", json={"model": MODEL, "prompt": huge}), 400)
+            assert err["code"] == "context_length_exceeded"
+            _error(h.get(url + "/no/such/route"), 404)
+            _error(h.get(url + "/chat/completions"), 405)
+
+    text, finish = arun(server, run)
+    assert finish == "length"
+    ref = c.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=40, temperature=0
+    )
+    assert text == ref.choices[0].message.content
+    with pytest.raises(openai.NotFoundError):
+        c.chat.completions.create(model="gpt-4", messages=CHAT)
+    with pytest.raises(openai.BadRequestError) as exc:
+        c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10**6)
+    assert exc.value.code == "context_length_exceeded"
+
+
+def test_metrics_after_traffic(server: Server) -> None:
+    c = client(server)
+    c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, stop=[" "], temperature=0)
+    text = httpx.get(server.url + "/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name, kind in {
+        "onegpu_requests_running": "gauge",
+        "onegpu_requests_waiting": "gauge",
+        "onegpu_kv_cache_used_cells": "gauge",
+        "onegpu_prompt_tokens": "counter",
+        "onegpu_generation_tokens": "counter",
+        "onegpu_requests_finished": "counter",
+        "onegpu_time_to_first_token_seconds": "histogram",
+        "onegpu_inter_token_latency_seconds": "histogram",
+        "onegpu_e2e_request_latency_seconds": "histogram",
+        "onegpu_request_queue_time_seconds": "histogram",
+        "onegpu_step_tokens": "histogram",
+        "onegpu_step_sequences": "histogram",
+        "onegpu_step_decode_seconds": "histogram",
+        "onegpu_step_python_seconds": "histogram",
+    }.items():
+        assert name in families, name
+        assert families[name].type == kind, name
+        assert families[name].documentation, name
+    m = metrics(server)
+    assert m["onegpu_prompt_tokens_total"] >= 8
+    assert m["onegpu_generation_tokens_total"] >= 9
+    assert m["onegpu_requests_finished_total{finish_reason=length}"] >= 1
+    assert m["onegpu_requests_finished_total{finish_reason=stop}"] >= 1
+    for h in ("time_to_first_token", "inter_token_latency", "e2e_request_latency"):
+        count, total = m[f"onegpu_{h}_seconds_count"], m[f"onegpu_{h}_seconds_sum"]
+        assert count >= 1 and 0 < total / count < 60, h
+    assert m["onegpu_request_queue_time_seconds_count"] >= 1
+    ttft = (
+        m["onegpu_time_to_first_token_seconds_sum"] / m["onegpu_time_to_first_token_seconds_count"]
+    )
+    e2e = (
+        m["onegpu_e2e_request_latency_seconds_sum"] / m["onegpu_e2e_request_latency_seconds_count"]
+    )
+    assert ttft <= e2e
+    assert m["onegpu_requests_running"] == 0
+    assert m["onegpu_kv_cache_used_cells"] == 0
+    assert m["onegpu_kv_cache_capacity_cells"] == 16384
