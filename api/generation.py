@@ -21,6 +21,10 @@ from scheduler.request import Request, RequestOutput
 from scheduler.stops import StopMatcher
 
 
+def _never(_token: int) -> bool:
+    return False
+
+
 def sampling_params(
     req: SamplingFields, *, logprobs: bool, top_logprobs: int, seed_offset: int = 0
 ) -> SamplingParams:
@@ -101,7 +105,13 @@ class Submission:
         self.queues: list[asyncio.Queue[RequestOutput]] = []
 
     def add(
-        self, prompt_ids: list[int], params: SamplingParams, max_tokens: int, stops: tuple[str, ...]
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        stops: tuple[str, ...],
+        *,
+        ignore_eos: bool = False,
     ) -> None:
         model = self.state.model
         req = Request(
@@ -112,7 +122,7 @@ class Submission:
             arrival_time=time.monotonic(),
             detok=IncrementalDetokenizer(model.token_bytes),
             stops=StopMatcher(stops),
-            is_eog=model.is_eog,
+            is_eog=_never if ignore_eos else model.is_eog,
         )
         try:
             q = self.state.loop.add(req)

@@ -171,7 +171,7 @@ async def chat_completions(request: Request) -> Response:
         params = sampling_params(
             req, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0, seed_offset=i
         )
-        sub.add(ids, params, max_tokens, stops)
+        sub.add(ids, params, max_tokens, stops, ignore_eos=req.ignore_eos)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> bytes:
@@ -246,7 +246,7 @@ async def completions(request: Request) -> Response:
             params = sampling_params(
                 req, logprobs=want_lp, top_logprobs=req.logprobs or 0, seed_offset=i
             )
-            sub.add(ids, params, max_tokens, stops)
+            sub.add(ids, params, max_tokens, stops, ignore_eos=req.ignore_eos)
     n_prompt = sum(len(p) for p in prompts) * req.n
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 

@@ -53,6 +53,7 @@ class SamplingFields(Struct, kw_only=True):
     stop: Stop = None
     seed: int | None = None
     user: str | None = None
+    ignore_eos: bool = False  # llama.cpp/vLLM extension: generate max_tokens (benchmarks)
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):

@@ -56,7 +56,11 @@ class SamplerBank:
             add(
                 chain,
                 ll.llama_sampler_init_penalties(
-                    PENALTY_LAST_N, p.repetition_penalty, p.frequency_penalty, p.presence_penalty
+                    self.n_vocab,
+                    PENALTY_LAST_N,
+                    p.repetition_penalty,
+                    p.frequency_penalty,
+                    p.presence_penalty,
                 ),
             )
         if p.is_greedy:

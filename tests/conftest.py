@@ -4,7 +4,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.server_proc import Server, start_server
+from bench.server_proc import Server, start_server
 
 MODEL = "gemma-3-270m"
 

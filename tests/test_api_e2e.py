@@ -16,7 +16,7 @@ from openai.types import Completion
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import MODEL
-from tests.server_proc import Server
+from bench.server_proc import Server
 
 pytestmark = pytest.mark.e2e
 T = TypeVar("T")

@@ -14,7 +14,7 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from tests.conftest import MODEL
-from tests.server_proc import Server, start_server
+from bench.server_proc import Server, start_server
 
 pytestmark = pytest.mark.e2e
 KEY = "s3cret-key"

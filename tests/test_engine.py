@@ -1,0 +1,436 @@
+"""Engine tests on tiny generated GGUFs (dense llama, MoE qwen3moe) and the embedded model.
+
+Every test drives the real `Engine.step` over llama.cpp. Numerics are compared only where they
+are robust (FINDINGS, "Determinism"): the same schedule rerun is bit-identical; a different
+batch shape or chunking is compared as distributions with a tolerance, never token by token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import pytest
+
+from engine.chat_template import ChatTemplate, builtin_template
+from engine.config import EngineConfig
+from engine.default_model import default_model_path
+from engine.detok import IncrementalDetokenizer
+from engine.errors import InvalidBatch, KVCacheFull
+from engine.model import Model
+from engine.runner import Engine
+from engine.step_types import Sampled, SamplingParams, SeqChunk, SeqStart, StepBatch
+from tests.tiny_gguf import CHATML_TEMPLATE, EOS_ID, FIRST_BYTE_ID, N_BYTE_TOKENS, write_llama
+from tests.tiny_gguf import write_qwen3moe as write_moe
+
+GREEDY = SamplingParams(temperature=0.0)
+PROMPT = "the capital of france is paris and the people there say hello to the world"
+
+
+class OpenEngine(Protocol):
+    def __call__(
+        self, name: str = ..., *, n_ctx: int = ..., n_seq_max: int = ..., n_batch: int = ...
+    ) -> Engine: ...
+
+
+# ---- fixtures -------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("gguf")
+    return {
+        "llama": write_llama(d / "llama.gguf", chat_template=CHATML_TEMPLATE, seed=1),
+        "qwen3moe": write_moe(d / "qwen3moe.gguf", seed=2),
+        "llama-f16": write_llama(d / "llama-f16.gguf", seed=3, wtype="f16"),
+    }
+
+
+@pytest.fixture
+def open_engine(tiny_models: dict[str, Path]) -> Iterator[OpenEngine]:
+    """Load a fresh model + engine per call (a tiny model loads in milliseconds)."""
+    opened: list[Engine] = []
+
+    def _open(
+        name: str = "llama", *, n_ctx: int = 1024, n_seq_max: int = 8, n_batch: int = 256
+    ) -> Engine:
+        cfg = EngineConfig(
+            str(tiny_models[name]), n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=n_batch, n_threads=2
+        )
+        model = Model(cfg)
+        eng = Engine(model)
+        opened.append(eng)
+        return eng
+
+    yield _open
+    for eng in opened:
+        eng.close()
+        eng.model.close()
+
+
+@pytest.fixture(scope="module")
+def gemma() -> Iterator[Engine]:
+    model = Model(
+        EngineConfig(default_model_path(), n_ctx=512, n_seq_max=2, n_batch=128, n_threads=2)
+    )
+    eng = Engine(model)
+    yield eng
+    eng.close()
+    model.close()
+
+
+# ---- helpers --------------------------------------------------------------------------------
+def prompt_ids(eng: Engine, text: str = PROMPT) -> list[int]:
+    return eng.model.tokenize(text, add_special=True, parse_special=False)
+
+
+def prefill(
+    eng: Engine,
+    prompt: list[int],
+    params: SamplingParams = GREEDY,
+    *,
+    seq_id: int = 0,
+    chunk: int | None = None,
+    history: list[int] | None = None,
+) -> Sampled:
+    """Start a sequence and feed `prompt` in chunks of `chunk` tokens, one step each."""
+    chunk = chunk or len(prompt)
+    starts = [SeqStart(seq_id, params, history or [])]
+    for p0 in range(0, len(prompt), chunk):
+        part = prompt[p0 : p0 + chunk]
+        last = p0 + len(part) == len(prompt)
+        res = eng.step(StepBatch([SeqChunk(seq_id, part, p0, last)], starts=starts))
+        starts = []
+        assert set(res.sampled) == ({seq_id} if last else set())
+    assert eng.model.seq_pos_max(seq_id) == len(prompt) - 1
+    return res.sampled[seq_id]
+
+
+def generate(
+    eng: Engine,
+    prompt: list[int],
+    n: int,
+    params: SamplingParams = GREEDY,
+    *,
+    seq_id: int = 0,
+    chunk: int | None = None,
+    history: list[int] | None = None,
+) -> list[int]:
+    """Prefill `prompt`, then decode until `n` tokens are sampled."""
+    out = [prefill(eng, prompt, params, seq_id=seq_id, chunk=chunk, history=history).token]
+    pos = len(prompt)
+    while len(out) < n:
+        res = eng.step(StepBatch([SeqChunk(seq_id, [out[-1]], pos, True)]))
+        out.append(res.sampled[seq_id].token)
+        pos += 1
+    assert eng.model.seq_pos_max(seq_id) == pos - 1
+    return out
+
+
+def distribution(eng: Engine, prompt: list[int], *, seq_id: int = 0, chunk: int) -> np.ndarray:
+    """Log-probabilities of the whole vocabulary after prefilling `prompt` in `chunk`s."""
+    n_vocab = eng.model.n_vocab
+    params = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=n_vocab)
+    top = prefill(eng, prompt, params, seq_id=seq_id, chunk=chunk).top_logprobs
+    assert top is not None and len(top) == n_vocab
+    lp = np.empty(n_vocab)  # [V]
+    for tok, v in top:
+        lp[tok] = v
+    return lp
+
+
+# ---- stepping -------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["llama", "qwen3moe", "llama-f16"])
+def test_multi_sequence_prefill_then_decode(open_engine: OpenEngine, arch: str) -> None:
+    eng = open_engine(arch)
+    m = eng.model
+    prompts = {
+        0: prompt_ids(eng, "hello world"),
+        1: prompt_ids(eng, "the people there"),
+        2: prompt_ids(eng, "what is the capital of france"),
+        3: prompt_ids(eng, "one two three four five six seven"),
+    }
+    # Step 1: three full prompts that sample, and the first half of seq 3's prompt that does not.
+    half = len(prompts[3]) // 2
+    chunks = [SeqChunk(s, prompts[s], 0, True) for s in (0, 1, 2)]
+    chunks.append(SeqChunk(3, prompts[3][:half], 0, False))
+    res = eng.step(StepBatch(chunks, starts=[SeqStart(s, GREEDY) for s in range(4)]))
+    assert set(res.sampled) == {0, 1, 2}
+    assert res.decode_s > 0
+    assert m.seq_pos_max(3) == half - 1
+    last = {s: res.sampled[s].token for s in res.sampled}
+    pos = {s: len(prompts[s]) for s in (0, 1, 2)}
+    # Step 2: decode 0, 1, 2 and finish seq 3's prompt; step 3..: decode all four.
+    rest = SeqChunk(3, prompts[3][half:], half, True)
+    res = eng.step(StepBatch([SeqChunk(s, [last[s]], pos[s], True) for s in last] + [rest]))
+    assert set(res.sampled) == {0, 1, 2, 3}
+    pos = {s: p + 1 for s, p in pos.items()} | {3: len(prompts[3])}
+    last = {s: res.sampled[s].token for s in res.sampled}
+    for _ in range(4):
+        # seq 1 is fed its token but asks for no sample: it keeps feeding the same one
+        chunks = [SeqChunk(s, [last[s]], pos[s], s != 1) for s in sorted(last)]
+        res = eng.step(StepBatch(chunks))
+        assert set(res.sampled) == {0, 2, 3}
+        last |= {s: res.sampled[s].token for s in res.sampled}
+        pos = {s: p + 1 for s, p in pos.items()}
+    for s, p in pos.items():
+        assert m.seq_pos_max(s) == p - 1
+    for sampled in res.sampled.values():
+        assert 0 <= sampled.token < m.n_vocab
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3moe"])
+def test_chunked_prefill_is_reproducible_and_matches_unchunked(
+    open_engine: OpenEngine, arch: str
+) -> None:
+    prompt = prompt_ids(open_engine(arch))
+    assert len(prompt) > 12
+    # The same schedule in a fresh context: bit-identical ids.
+    runs = [generate(open_engine(arch), prompt, 12, chunk=5) for _ in range(2)]
+    assert runs[0] == runs[1]
+    assert all(0 <= t < open_engine(arch).model.n_vocab for t in runs[0])
+    # Other chunkings may differ in the last bits (FINDINGS), never in the distribution:
+    # a chunk at the wrong position or a lost chunk would move it far more than this.
+    whole = distribution(open_engine(arch), prompt, chunk=len(prompt))
+    for chunk in (1, 4, 7):
+        np.testing.assert_allclose(
+            distribution(open_engine(arch), prompt, chunk=chunk), whole, atol=1e-3
+        )
+    # ...and the prompt matters: a truncated prompt gives a clearly different distribution.
+    short = distribution(open_engine(arch), prompt[:-3], chunk=len(prompt))
+    assert np.abs(short - whole).max() > 0.1
+
+
+def test_released_sequence_frees_kv_and_restarts_at_zero(open_engine: OpenEngine) -> None:
+    eng = open_engine()
+    m = eng.model
+    a, b = prompt_ids(eng), prompt_ids(eng, "hello world")
+    generate(eng, a, 6, seq_id=0)
+    generate(eng, b, 3, seq_id=1)
+    assert m.seq_pos_max(0) == len(a) + 4
+    res = eng.step(StepBatch([], released=[0]))
+    assert res.sampled == {}
+    assert m.seq_pos_max(0) == -1
+    assert m.seq_pos_max(1) == len(b) + 1  # a neighbour keeps its cells
+    # The recycled id starts over at position 0 and sees none of the old request.
+    recycled = distribution(eng, b, seq_id=0, chunk=len(b))
+    assert m.seq_pos_max(0) == len(b) - 1
+    fresh = distribution(open_engine(), b, chunk=len(b))
+    np.testing.assert_allclose(recycled, fresh, atol=1e-3)
+    # Releasing and starting in the same step also works (seq ids are reused at once).
+    res = eng.step(StepBatch([SeqChunk(1, a, 0, True)], starts=[SeqStart(1, GREEDY)], released=[0]))
+    assert set(res.sampled) == {1}
+    assert m.seq_pos_max(0) == -1
+    assert m.seq_pos_max(1) == len(a) - 1
+
+
+def test_oversized_or_invalid_batch_raises_instead_of_aborting(open_engine: OpenEngine) -> None:
+    eng = open_engine(n_batch=32, n_seq_max=4)
+    m = eng.model
+    assert m.n_batch == 32
+    too_long = [FIRST_BYTE_ID + ord("a")] * 33
+    with pytest.raises(InvalidBatch):
+        eng.step(StepBatch([SeqChunk(0, too_long, 0, True)], starts=[SeqStart(0, GREEDY)]))
+    assert m.seq_pos_max(0) == -1
+    # Two sequences together over the limit are refused as well.
+    with pytest.raises(InvalidBatch):
+        eng.step(
+            StepBatch([SeqChunk(0, too_long[:20], 0, True), SeqChunk(1, too_long[:13], 0, True)])
+        )
+    # llama.cpp's own checks (return code -1): a seq id >= n_seq_max, a token outside the
+    # vocabulary, positions that do not continue the sequence.
+    with pytest.raises(InvalidBatch):
+        eng.step(StepBatch([SeqChunk(m.n_seq_max, [5], 0, False)]))
+    with pytest.raises(InvalidBatch):
+        eng.step(StepBatch([SeqChunk(0, [m.n_vocab], 0, False)]))
+    generate(eng, too_long[:8], 2, seq_id=2)
+    with pytest.raises(InvalidBatch):
+        eng.step(StepBatch([SeqChunk(2, [5], 20, False)]))
+    # The process lives on and the context still works: exactly n_batch tokens are fine.
+    res = eng.step(StepBatch([SeqChunk(0, too_long[:32], 0, True)], starts=[SeqStart(0, GREEDY)]))
+    assert set(res.sampled) == {0}
+    assert m.seq_pos_max(0) == 31
+    assert m.seq_pos_max(2) == 8
+
+
+def test_kv_pool_full_raises_and_keeps_the_cache(open_engine: OpenEngine) -> None:
+    eng = open_engine(n_ctx=256, n_batch=256, n_seq_max=2)
+    m = eng.model
+    assert m.n_ctx == 256
+    toks = [FIRST_BYTE_ID + ord("x")] * 200
+    generate(eng, toks, 1, seq_id=0)
+    with pytest.raises(KVCacheFull):
+        eng.step(StepBatch([SeqChunk(1, toks[:100], 0, True)], starts=[SeqStart(1, GREEDY)]))
+    assert m.seq_pos_max(1) == -1
+    assert m.seq_pos_max(0) == 199
+    # What fits still runs.
+    generate(eng, toks[:50], 2, seq_id=1)
+
+
+# ---- sampling -------------------------------------------------------------------------------
+def test_seeded_sampling_reproduces(open_engine: OpenEngine) -> None:
+    def sample(seed: int) -> list[int]:
+        params = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=seed)
+        return generate(open_engine(), prompt_ids(open_engine()), 20, params)
+
+    first = sample(123)
+    assert sample(123) == first
+    # The tiny model's logits are flat-ish (spread O(1) over 836 tokens): another seed or
+    # greedy decoding cannot reproduce 20 sampled tokens.
+    assert sample(124) != first
+    assert generate(open_engine(), prompt_ids(open_engine()), 20) != first
+    # The seed belongs to the sequence: a neighbour in the same steps does not consume it.
+    eng = open_engine()
+    prompt = prompt_ids(eng)
+    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=123)
+    other = SamplingParams(temperature=1.0, seed=7)
+    res = eng.step(
+        StepBatch(
+            [SeqChunk(0, prompt, 0, True), SeqChunk(1, prompt, 0, True)],
+            starts=[SeqStart(0, params), SeqStart(1, other)],
+        )
+    )
+    assert res.sampled[0].token == first[0]
+
+
+def test_logprobs(open_engine: OpenEngine) -> None:
+    eng = open_engine()
+    prompt = prompt_ids(eng)
+    cases = [  # numpy argmax path; llama.cpp chain path (the row is read after the chain)
+        SamplingParams(temperature=0.0, logprobs=True, top_logprobs=5),
+        SamplingParams(temperature=0.8, seed=5, logprobs=True, top_logprobs=5),
+    ]
+    for seq_id, params in enumerate(cases):
+        res = eng.step(
+            StepBatch([SeqChunk(seq_id, prompt, 0, True)], starts=[SeqStart(seq_id, params)])
+        )
+        s = res.sampled[seq_id]
+        assert s.logprob is not None and s.top_logprobs is not None
+        values = [lp for _, lp in s.top_logprobs]
+        assert len(values) == 5
+        assert values == sorted(values, reverse=True)
+        assert all(v < 0 for v in values)
+        assert float(np.exp(values).sum()) <= 1.0
+        assert s.logprob <= values[0]
+        if params.is_greedy:
+            assert s.top_logprobs[0] == (s.token, s.logprob)
+    # Over the whole vocabulary the probabilities sum to one.
+    full = distribution(eng, prompt, seq_id=3, chunk=len(prompt))
+    assert np.exp(full).sum() == pytest.approx(1.0, abs=1e-6)
+    # No logprobs asked: none computed.
+    res = eng.step(StepBatch([SeqChunk(4, prompt, 0, True)], starts=[SeqStart(4, GREEDY)]))
+    assert res.sampled[4].logprob is None and res.sampled[4].top_logprobs is None
+
+
+def test_repetition_penalty_goes_through_llama_chain(open_engine: OpenEngine) -> None:
+    prompt = prompt_ids(open_engine())
+    plain = generate(open_engine(), prompt, 16)
+    params = SamplingParams(0.0, repetition_penalty=1.5, logprobs=True, top_logprobs=3)
+    first = prefill(open_engine(), prompt, params)
+    assert first.token == plain[0]  # nothing generated yet, nothing to penalize
+    assert first.top_logprobs is not None and first.top_logprobs[0] == (first.token, first.logprob)
+    penalized = generate(open_engine(), prompt, 16, params)
+    assert len(penalized) == 16 and all(0 <= t < open_engine().model.n_vocab for t in penalized)
+    # SeqStart.history (a preempted request's output) feeds the penalty: with a strong
+    # penalty, the token greedy picks first cannot be picked again.
+    strong = SamplingParams(0.0, repetition_penalty=100.0)
+    again = generate(open_engine(), prompt, 1, strong, history=[plain[0]])
+    assert again[0] != plain[0]
+    # The same strong penalty without history leaves the first pick alone.
+    assert generate(open_engine(), prompt, 1, strong) == plain[:1]
+
+
+# ---- tokenizer, detokenizer, chat template ------------------------------------------------
+def test_detokenizer_round_trips_multibyte_text(open_engine: OpenEngine) -> None:
+    m = open_engine().model
+    text = "héllo 世界 🙂 the end"
+    toks = m.tokenize(text, add_special=False, parse_special=False)
+    pieces = [m.token_bytes(t) for t in toks]
+    # SPM adds a leading space ("▁"): the first piece renders it.
+    assert pieces[0].startswith(b" ")
+    assert b"".join(pieces) == (" " + text).encode()
+    # Byte fallback splits characters: 'é' is two tokens, '🙂' four.
+    byte_toks = [t for t in toks if FIRST_BYTE_ID <= t < FIRST_BYTE_ID + N_BYTE_TOKENS]
+    assert len(byte_toks) >= 2 + 6 + 4
+    detok = IncrementalDetokenizer(m.token_bytes)
+    deltas = [detok.add(t) for t in toks]
+    assert "".join(deltas) + detok.flush() == " " + text
+    assert all("\ufffd" not in d for d in deltas)
+    assert "" in deltas  # some token completed no character
+    assert " 世" not in deltas and "世" in deltas  # a CJK character arrives whole
+
+
+def test_detokenizer_flushes_incomplete_tail(open_engine: OpenEngine) -> None:
+    m = open_engine().model
+    detok = IncrementalDetokenizer(m.token_bytes)
+    assert detok.add(FIRST_BYTE_ID + 0xF0) == ""
+    assert detok.add(FIRST_BYTE_ID + 0x9F) == ""
+    assert detok.flush() == "\ufffd"
+
+
+def test_special_tokens_and_eog(open_engine: OpenEngine) -> None:
+    m = open_engine().model
+    assert m.add_bos
+    assert m.tokenize("hello", add_special=True, parse_special=False)[0] == 1
+    assert (m.bos_token, m.eos_token) == ("<s>", "</s>")
+    assert m.token_bytes(1) == b"" and m.token_text(1) == b"<s>"
+    assert m.is_eog(EOS_ID)
+    im_end = m.tokenize("<|im_end|>", add_special=False, parse_special=True)
+    assert len(im_end) == 1 and m.is_eog(im_end[0])  # llama.cpp treats <|im_end|> as EOG
+    assert not any(m.is_eog(t) for t in m.tokenize(PROMPT, add_special=True, parse_special=False))
+
+
+def test_chat_template_from_gguf(open_engine: OpenEngine) -> None:
+    m = open_engine("llama").model
+    assert m.chat_template() == CHATML_TEMPLATE
+    tmpl = ChatTemplate.resolve(None, m.chat_template(), m.bos_token, m.eos_token)
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hello"},
+    ]
+    text = tmpl.render(messages)
+    assert text == (
+        "<|im_start|>system\nbe brief<|im_end|>\n"
+        "<|im_start|>user\nhello<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    toks = m.tokenize(text, add_special=False, parse_special=True)
+    im_start = m.tokenize("<|im_start|>", add_special=False, parse_special=True)
+    assert toks.count(im_start[0]) == 3
+
+
+def test_chat_template_falls_back_to_gemma(open_engine: OpenEngine, tmp_path: Path) -> None:
+    m = open_engine("qwen3moe").model
+    assert m.chat_template() is None
+    tmpl = ChatTemplate.resolve(None, m.chat_template(), m.bos_token, m.eos_token)
+    assert tmpl.source == builtin_template("gemma")
+    text = tmpl.render([{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}])
+    assert text == "<s><start_of_turn>user\nsys\n\nhi<end_of_turn>\n<start_of_turn>model\n"
+    # An explicit file overrides the GGUF's own template.
+    f = tmp_path / "t.jinja"
+    f.write_text("{{ messages[0]['content'] }}!")
+    override = ChatTemplate.resolve(f, CHATML_TEMPLATE, "", "")
+    assert override.render([{"role": "user", "content": "x"}]) == "x!"
+
+
+# ---- the embedded model ---------------------------------------------------------------------
+def test_embedded_model_completes_and_knows_end_of_turn(gemma: Engine) -> None:
+    m = gemma.model
+    prompt = prompt_ids(gemma, "The capital of France is")
+    toks = generate(gemma, prompt, 8)
+    detok = IncrementalDetokenizer(m.token_bytes)
+    text = "".join(detok.add(t) for t in toks) + detok.flush()
+    assert text.strip()
+    assert "\ufffd" not in text
+    end_of_turn = m.tokenize("<end_of_turn>", add_special=False, parse_special=True)
+    assert len(end_of_turn) == 1
+    assert m.is_eog(end_of_turn[0])
+    assert not m.is_eog(prompt[-1])
+    # Gemma 3 270M carries no chat template: the shipped one applies and its tokens parse.
+    assert m.chat_template() is None
+    tmpl = ChatTemplate.resolve(None, m.chat_template(), m.bos_token, m.eos_token)
+    chat = m.tokenize(
+        tmpl.render([{"role": "user", "content": "hi"}]), add_special=False, parse_special=True
+    )
+    assert chat[0] == m.ll.llama_vocab_bos(m.vocab)
+    assert end_of_turn[0] in chat
