@@ -56,6 +56,9 @@ class Scheduler:
         self._aborts: set[str] = set()
         self._released: list[int] = []
         self._finished: list[FinishedStats] = []  # finished outside a step (aborts)
+        # Set when the backend refused KV our accounting allowed: admit nobody new until a
+        # request finishes (real room) or nothing runs, or the refusal repeats forever.
+        self._kv_backoff = False
 
     # ---- inputs ----------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -104,7 +107,11 @@ class Scheduler:
                 budget -= n
         budget = self.cfg.max_num_batched_tokens - sum(n for _, n in plan.values())
         starts: list[SeqStart] = []
-        while self.waiting and budget > 0 and self.pool.num_free_seqs > 0:
+        if not self.running:
+            self._kv_backoff = False
+        # A step that had to preempt admits nobody: the room it made is for the running.
+        can_admit = preempted == 0 and not self._kv_backoff
+        while can_admit and self.waiting and budget > 0 and self.pool.num_free_seqs > 0:
             req = self.waiting[0]
             n = min(req.num_uncomputed, budget, self._chunk_cap())
             if self.pool.free - n < self.cfg.kv_watermark or n > self.pool.free:
@@ -171,6 +178,7 @@ class Scheduler:
                 self.pool.shrink(req.seq_id, len(chunk.tokens))
         if self.running:
             self._preempt(self.running[-1])
+        self._kv_backoff = True
 
     def _release_seq(self, req: Request) -> None:
         if req.seq_id is not None:
@@ -193,6 +201,7 @@ class Scheduler:
     ) -> None:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
+            self._kv_backoff = False
         self._release_seq(req)
         req.status = status
         del self._by_id[req.req_id]

@@ -15,8 +15,8 @@ from openai import AsyncOpenAI, OpenAI
 from openai.types import Completion
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import MODEL
 from bench.server_proc import Server
+from tests.conftest import MODEL
 
 pytestmark = pytest.mark.e2e
 T = TypeVar("T")

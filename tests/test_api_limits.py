@@ -13,8 +13,8 @@ import openai
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from tests.conftest import MODEL
 from bench.server_proc import Server, start_server
+from tests.conftest import MODEL
 
 pytestmark = pytest.mark.e2e
 KEY = "s3cret-key"

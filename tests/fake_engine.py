@@ -1,0 +1,173 @@
+"""A deterministic stand-in for `engine.runner.Engine.step`, strict about the step contract.
+
+The fake keeps each sequence's KV as a list of (pos, token) and refuses (with
+`ContractViolation`, an AssertionError so no engine-error handler swallows it) anything the
+real backend would silently get wrong: a chunk whose `pos0` does not continue its sequence,
+a chunk for a sequence that was never started or already released, a sequence twice in one
+batch, a live sequence id restarted without a release, a batch over `n_batch`.
+
+The next token is a pure function of the sequence's whole token history, so a request's
+output does not depend on what it was batched with, on chunking, or on preemption and
+recompute: a request run alone through `reference()` is the exact expected output.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from engine.detok import IncrementalDetokenizer
+from engine.errors import EngineError, KVCacheFull
+from engine.step_types import Sampled, SamplingParams, StepBatch, StepResult
+from scheduler.request import Request
+from scheduler.stops import StopMatcher
+
+VOCAB = 50  # ids 0..49; 0 is end-of-generation
+EOG = 0
+EOG_MARK = 1000  # a prompt [EOG_MARK, n, ...] produces EOG once its history is n tokens long
+
+
+class ContractViolation(AssertionError):
+    """The scheduler sent a batch the real engine would have mis-decoded."""
+
+
+def next_token(history: Sequence[int]) -> int:
+    """The token sampled after `history`: EOG only when the prompt asks for it."""
+    if len(history) >= 2 and history[0] == EOG_MARK and len(history) >= history[1]:
+        return EOG
+    digest = hashlib.blake2b(array("q", history).tobytes(), digest_size=8).digest()
+    return 1 + int.from_bytes(digest, "little") % (VOCAB - 1)
+
+
+def token_bytes(token: int) -> bytes:
+    return b"" if token == EOG else b"t%d " % token
+
+
+def is_eog(token: int) -> bool:
+    return token == EOG
+
+
+@dataclass(slots=True)
+class Reference:
+    """What a request produces when it runs alone (slow, written from the definitions)."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+
+
+def reference(
+    prompt: Sequence[int],
+    max_tokens: int,
+    stops: Sequence[str] = (),
+    sample: Callable[[Sequence[int]], int] = next_token,
+) -> Reference:
+    history = list(prompt)
+    out: list[int] = []
+    text = ""
+    while True:
+        tok = sample(history)
+        out.append(tok)
+        history.append(tok)
+        if is_eog(tok):
+            return Reference(out, text, "stop")
+        text += token_bytes(tok).decode()
+        hits = [i for i in (text.find(s) for s in stops if s) if i != -1]
+        if hits:
+            return Reference(out, text[: min(hits)], "stop")
+        if len(out) >= max_tokens:
+            return Reference(out, text, "length")
+
+
+@dataclass
+class FakeEngine:
+    """`step(batch)` like `Engine.step`: release, start, check, "decode", sample.
+
+    `capacity` (cells over all sequences) makes the fake raise `KVCacheFull` like llama.cpp
+    when a batch does not fit, leaving the KV as before the call. `faults[i]` is raised by
+    the i-th call (0-based) after releases and starts are applied, as the real engine does.
+    `max_steps` turns a scheduler livelock into a prompt `ContractViolation`.
+    """
+
+    n_batch: int | None = None
+    capacity: int | None = None
+    sample: Callable[[Sequence[int]], int] = next_token
+    faults: dict[int, EngineError] = field(default_factory=dict)
+    max_steps: int | None = None
+    kv: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    batches: list[StepBatch] = field(default_factory=list)
+    num_steps: int = 0
+
+    @property
+    def kv_used(self) -> int:
+        return sum(len(cells) for cells in self.kv.values())
+
+    def history(self, seq_id: int) -> list[int]:
+        return [tok for _, tok in self.kv[seq_id]]
+
+    def step(self, batch: StepBatch) -> StepResult:
+        i = self.num_steps
+        self.num_steps += 1
+        if self.max_steps is not None and i >= self.max_steps:
+            raise ContractViolation(f"still stepping after {self.max_steps} steps (livelock?)")
+        self.batches.append(batch)
+        for seq_id in batch.released:
+            if seq_id not in self.kv:
+                raise ContractViolation(f"step {i}: released seq {seq_id} is not live")
+            del self.kv[seq_id]
+        for s in batch.starts:
+            if s.seq_id in self.kv:
+                raise ContractViolation(f"step {i}: started seq {s.seq_id} is still live")
+            self.kv[s.seq_id] = []
+        if self.n_batch is not None and batch.num_tokens > self.n_batch:
+            raise ContractViolation(f"step {i}: {batch.num_tokens} tokens > {self.n_batch}")
+        seen: set[int] = set()
+        for c in batch.chunks:
+            if c.seq_id not in self.kv:
+                raise ContractViolation(f"step {i}: chunk for seq {c.seq_id}, never started")
+            if c.seq_id in seen:
+                raise ContractViolation(f"step {i}: seq {c.seq_id} twice in one batch")
+            seen.add(c.seq_id)
+            if not c.tokens:
+                raise ContractViolation(f"step {i}: empty chunk for seq {c.seq_id}")
+            have = len(self.kv[c.seq_id])
+            if c.pos0 != have:
+                kind = "gap" if c.pos0 > have else "overlap"
+                raise ContractViolation(
+                    f"step {i}: seq {c.seq_id} chunk at pos {c.pos0}, KV holds {have} ({kind})"
+                )
+        if i in self.faults:
+            raise self.faults.pop(i)
+        if self.capacity is not None and self.kv_used + batch.num_tokens > self.capacity:
+            raise KVCacheFull(f"{self.kv_used} + {batch.num_tokens} > {self.capacity}")
+        sampled: dict[int, Sampled] = {}
+        for c in batch.chunks:
+            cells = self.kv[c.seq_id]
+            cells.extend((c.pos0 + k, tok) for k, tok in enumerate(c.tokens))
+            if c.sample:
+                sampled[c.seq_id] = Sampled(self.sample(self.history(c.seq_id)))
+        return StepResult(sampled)
+
+
+def make_request(
+    req_id: str,
+    prompt: Sequence[int],
+    max_tokens: int,
+    *,
+    arrival: float = 0.0,
+    stops: tuple[str, ...] = (),
+    logprobs: bool = False,
+) -> Request:
+    """A greedy request whose text comes from `token_bytes`."""
+    return Request(
+        req_id=req_id,
+        prompt_ids=list(prompt),
+        params=SamplingParams(temperature=0, logprobs=logprobs),
+        max_tokens=max_tokens,
+        arrival_time=arrival,
+        detok=IncrementalDetokenizer(token_bytes),
+        stops=StopMatcher(stops),
+        is_eog=is_eog,
+    )

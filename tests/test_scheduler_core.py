@@ -1,0 +1,701 @@
+"""The scheduler core driven step by step against the strict, history-deterministic fake.
+
+Because the fake's next token depends only on a sequence's own history, every request's
+output must equal `reference()` (the request run alone) whatever it was batched with,
+however its prompt was chunked and however often it was preempted.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+import pytest
+
+from engine.errors import BackendError, KVCacheFull
+from scheduler.core import QueueFull, Scheduler, SchedulerConfig, SchedulerOutput
+from scheduler.request import Request, RequestOutput, RequestStatus
+from scheduler.stats import StepStats
+from tests.fake_engine import (
+    EOG,
+    EOG_MARK,
+    FakeEngine,
+    make_request,
+    next_token,
+    reference,
+    token_bytes,
+)
+
+
+@dataclass
+class Step:
+    out: SchedulerOutput
+    outputs: list[RequestOutput]
+    stats: StepStats | None  # None when the batch was empty and nothing ran
+
+
+@dataclass
+class Driver:
+    """schedule → fake step → postprocess, checking the step contract around each call."""
+
+    cfg: SchedulerConfig
+    fake: FakeEngine = field(default_factory=FakeEngine)
+    now: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.sched = Scheduler(self.cfg)
+        self.fake.n_batch = self.cfg.max_num_batched_tokens
+        self.streams: dict[str, list[RequestOutput]] = defaultdict(list)
+        self.steps: list[Step] = []
+        self.reqs: dict[str, Request] = {}
+
+    def add(self, req: Request) -> Request:
+        self.sched.add(req)
+        self.reqs[req.req_id] = req
+        return req
+
+    def step(self) -> Step:
+        self.now += 1.0
+        sched = self.sched
+        decoders = {r.req_id: (r, r.num_preemptions) for r in sched.running if r.is_decoding}
+        out = sched.schedule(self.now)
+        sched.pool.sanity_checks()
+        check_batch(self.cfg, out, decoders)
+        if out.is_empty:
+            step = Step(out, [], None)
+        else:
+            result = self.fake.step(out.batch)
+            # The batch's releases and starts leave the engine holding exactly the running set.
+            assert set(self.fake.kv) == {r.seq_id for r in sched.running}
+            outputs, stats = sched.postprocess(out, result, self.now)
+            step = Step(out, outputs, stats)
+            for o in outputs:
+                self.streams[o.req_id].append(o)
+        sched.pool.sanity_checks()
+        check_mirror(sched, self.fake)
+        self.steps.append(step)
+        return step
+
+    def run(self, max_steps: int = 2_000) -> None:
+        for _ in range(max_steps):
+            if not self.sched.has_work:
+                return
+            if self.step().out.is_empty and self.sched.has_work:
+                raise AssertionError("scheduler has work but scheduled nothing")
+        raise AssertionError(f"not done after {max_steps} steps (livelock?)")
+
+    def text(self, req_id: str) -> str:
+        return "".join(o.text for o in self.streams[req_id])
+
+    def token_ids(self, req_id: str) -> list[int]:
+        return [t for o in self.streams[req_id] for t in o.token_ids]
+
+    def finish_reason(self, req_id: str) -> str | None:
+        s = self.streams[req_id]
+        return s[-1].finish_reason if s else None
+
+    def assert_matches_reference(self, req_id: str) -> None:
+        req = self.reqs[req_id]
+        ref = reference(req.prompt_ids, req.max_tokens, req.stops.stops)
+        assert self.token_ids(req_id) == ref.token_ids, req_id
+        assert self.text(req_id) == ref.text, req_id
+        assert self.finish_reason(req_id) == ref.finish_reason, req_id
+        assert [o.finish_reason for o in self.streams[req_id][:-1]] == [None] * (
+            len(self.streams[req_id]) - 1
+        )
+        assert req.output_ids == ref.token_ids
+
+
+def check_batch(
+    cfg: SchedulerConfig, out: SchedulerOutput, decoders: dict[str, tuple[Request, int]]
+) -> None:
+    """Budget, chunk cap, chunk/request pairing, sample flags, decoders first, one token each.
+
+    `decoders` maps each request decoding before `schedule()` to (request, its preemption
+    count then); one preempted in this schedule no longer counts as a decoder.
+    """
+    b = out.batch
+    assert b.num_tokens <= cfg.max_num_batched_tokens
+    assert len(out.reqs) == len(b.chunks)
+    assert len({r.req_id for r in out.reqs}) == len(out.reqs)
+    cap = cfg.max_prefill_chunk or cfg.max_num_batched_tokens
+    still = {
+        req_id
+        for req_id, (req, n_pre) in decoders.items()
+        if req.status is RequestStatus.RUNNING and req.num_preemptions == n_pre
+    }
+    is_decode = []
+    for req, chunk in zip(out.reqs, b.chunks, strict=True):
+        assert req.status is RequestStatus.RUNNING
+        assert chunk.seq_id == req.seq_id
+        assert 1 <= len(chunk.tokens) <= cap
+        assert chunk.pos0 == req.num_computed
+        assert chunk.tokens == req.tokens_from(chunk.pos0, len(chunk.tokens))
+        assert chunk.sample == (chunk.pos0 + len(chunk.tokens) == req.num_tokens)
+        is_decode.append(req.req_id in still)
+        if req.req_id in still:
+            assert len(chunk.tokens) == 1 and chunk.sample
+    assert is_decode == sorted(is_decode, reverse=True), "a prompt chunk before a decoder"
+    if cfg.max_num_seqs <= cfg.max_num_batched_tokens:
+        missing = still - {r.req_id for r in out.reqs}
+        assert not missing, f"decoders left without a token this step: {missing}"
+
+
+def check_mirror(sched: Scheduler, fake: FakeEngine) -> None:
+    """The pool's accounting equals what the engine holds for every running request."""
+    total = 0
+    for r in sched.running:
+        assert r.seq_id is not None
+        assert sched.pool.cells(r.seq_id) == r.num_computed
+        if r.seq_id in fake.kv:
+            assert fake.history(r.seq_id) == r.tokens_from(0, r.num_computed)
+        else:  # admitted by a schedule whose step did not run (an empty or failed one)
+            assert r.num_computed == 0
+        total += r.num_computed
+    assert sched.pool.used == total
+
+
+def cfg(**kw: int | None) -> SchedulerConfig:
+    base: dict[str, int | None] = dict(
+        max_num_seqs=4, kv_capacity=1_000, max_num_batched_tokens=32, max_waiting=64
+    )
+    base.update(kw)
+    return SchedulerConfig(**base)  # type: ignore[arg-type]
+
+
+def prompt(n: int, salt: int = 0) -> list[int]:
+    return [1 + (7 * i + salt) % 40 for i in range(n)]
+
+
+def decoding_every_step(d: Driver, step: Step, req_ids: list[str]) -> None:
+    by_id = {r.req_id: c for r, c in zip(step.out.reqs, step.out.batch.chunks, strict=True)}
+    for req_id in req_ids:
+        assert len(by_id[req_id].tokens) == 1
+
+
+# ---- joining and leaving ----------------------------------------------------------------
+
+
+def test_new_request_joins_at_next_step_while_others_decode() -> None:
+    d = Driver(cfg())
+    a = d.add(make_request("a", prompt(5), 20))
+    s1 = d.step()
+    assert [len(c.tokens) for c in s1.out.batch.chunks] == [5]
+    assert [s.seq_id for s in s1.out.batch.starts] == [a.seq_id]
+    d.step()
+    assert a.is_decoding
+    b = d.add(make_request("b", prompt(7, 1), 20))
+    s3 = d.step()
+    chunks = s3.out.batch.chunks
+    assert [(c.seq_id, len(c.tokens)) for c in chunks] == [(a.seq_id, 1), (b.seq_id, 7)]
+    assert [s.seq_id for s in s3.out.batch.starts] == [b.seq_id]
+    assert {o.req_id for o in s3.outputs} == {"a", "b"}
+    assert len(d.streams["a"]) == 3 and len(d.streams["b"]) == 1
+    d.run()
+    d.assert_matches_reference("a")
+    d.assert_matches_reference("b")
+
+
+def test_finished_request_leaves_at_the_step_boundary() -> None:
+    d = Driver(cfg())
+    a = d.add(make_request("a", prompt(4), 2))
+    b = d.add(make_request("b", prompt(4, 3), 6))
+    d.step()
+    seq_a = a.seq_id
+    s2 = d.step()
+    assert [o.finish_reason for o in s2.outputs if o.req_id == "a"] == ["length"]
+    assert a.status is RequestStatus.FINISHED_LENGTH and a.seq_id is None
+    assert d.sched.running == [b]
+    assert d.sched.pool.used == b.num_computed
+    assert seq_a in d.fake.kv  # the engine still holds it until the next batch says so
+    c = d.add(make_request("c", prompt(3, 5), 3))
+    s3 = d.step()
+    assert s3.out.batch.released == [seq_a]
+    assert s3.out.reqs == [b, c]
+    assert c.seq_id == seq_a  # the freed id is reused, after its release in the same batch
+    assert [s.seq_id for s in s3.out.batch.starts] == [seq_a]
+    s4 = d.step()
+    assert s4.out.batch.released == []
+    d.run()
+    for r in "abc":
+        d.assert_matches_reference(r)
+
+
+def test_decoders_fill_a_budget_of_exactly_their_number() -> None:
+    d = Driver(cfg(max_num_seqs=3, max_num_batched_tokens=3))
+    for i in range(3):
+        d.add(make_request(f"r{i}", prompt(1, i), 6))
+    for _ in range(5):
+        step = d.step()
+        assert [len(c.tokens) for c in step.out.batch.chunks] == [1, 1, 1]
+        assert len(step.outputs) == 3
+    d.run()
+    for i in range(3):
+        d.assert_matches_reference(f"r{i}")
+
+
+def test_every_running_decoder_gets_exactly_one_token_each_step() -> None:
+    d = Driver(cfg(max_num_seqs=4, max_num_batched_tokens=16))
+    for i, n in enumerate([3, 9, 1, 6]):
+        d.add(make_request(f"r{i}", prompt(n, i), 12))
+    while d.sched.has_work:
+        before = [r.req_id for r in d.sched.running if r.is_decoding]
+        counts = {r: len(d.streams[r]) for r in before}
+        step = d.step()
+        decoding_every_step(d, step, before)
+        for r in before:
+            assert len(d.streams[r]) == counts[r] + 1
+            assert len(d.streams[r][-1].token_ids) == 1
+    for i in range(4):
+        d.assert_matches_reference(f"r{i}")
+
+
+# ---- chunked prefill --------------------------------------------------------------------
+
+
+def test_long_prompt_alone_is_split_into_budget_sized_chunks() -> None:
+    d = Driver(cfg(max_num_batched_tokens=8))
+    d.add(make_request("long", prompt(30), 3))
+    chunks = [d.step().out.batch.chunks[0] for _ in range(4)]
+    assert [(c.pos0, len(c.tokens), c.sample) for c in chunks] == [
+        (0, 8, False),
+        (8, 8, False),
+        (16, 8, False),
+        (24, 6, True),
+    ]
+    assert d.streams["long"] and len(d.streams["long"]) == 1
+    d.run()
+    d.assert_matches_reference("long")
+
+
+@pytest.mark.parametrize("max_prefill_chunk", [None, 4])
+def test_prompt_chunks_share_the_step_with_decoders_and_always_progress(
+    max_prefill_chunk: int | None,
+) -> None:
+    d = Driver(cfg(max_num_batched_tokens=8, max_prefill_chunk=max_prefill_chunk))
+    decoders = [d.add(make_request(f"d{i}", prompt(2, i), 40)) for i in range(3)]
+    d.step()
+    assert all(r.is_decoding for r in decoders)
+    long = d.add(make_request("long", prompt(30, 9), 5))
+    want = min(8 - 3, max_prefill_chunk or 8)
+    sizes = []
+    while long.num_computed < long.num_prompt:
+        step = d.step()
+        b = step.out.batch
+        assert b.num_tokens <= 8
+        assert [len(c.tokens) for c in b.chunks[:3]] == [1, 1, 1]
+        assert [r.req_id for r in step.out.reqs[:3]] == ["d0", "d1", "d2"]
+        assert step.out.reqs[3] is long
+        sizes.append(len(b.chunks[3].tokens))
+    assert sum(sizes) == 30
+    assert all(s == want for s in sizes[:-1]) and 0 < sizes[-1] <= want
+    d.run()
+    for r in ["d0", "d1", "d2", "long"]:
+        d.assert_matches_reference(r)
+
+
+def test_two_long_prompts_each_respect_the_chunk_cap() -> None:
+    d = Driver(cfg(max_num_batched_tokens=16, max_prefill_chunk=5))
+    d.add(make_request("x", prompt(12), 2))
+    d.add(make_request("y", prompt(11, 2), 2))
+    s1 = d.step()
+    assert [len(c.tokens) for c in s1.out.batch.chunks] == [5, 5]
+    s2 = d.step()
+    assert [len(c.tokens) for c in s2.out.batch.chunks] == [5, 5]
+    s3 = d.step()
+    assert [len(c.tokens) for c in s3.out.batch.chunks] == [2, 1]
+    assert [c.sample for c in s3.out.batch.chunks] == [True, True]
+    d.run()
+    d.assert_matches_reference("x")
+    d.assert_matches_reference("y")
+
+
+# ---- aborts and the queue bound ---------------------------------------------------------
+
+
+def test_abort_waiting_request() -> None:
+    d = Driver(cfg(max_num_seqs=1))
+    a = d.add(make_request("a", prompt(4), 6))
+    b = d.add(make_request("b", prompt(4, 1), 6))
+    d.step()
+    assert list(d.sched.waiting) == [b]
+    d.sched.abort("b")
+    s = d.step()
+    assert list(d.sched.waiting) == []
+    assert b.status is RequestStatus.FINISHED_ABORTED and b.seq_id is None
+    assert s.out.batch.released == [] and s.out.reqs == [a]
+    assert s.stats is not None
+    [fin] = s.stats.finished
+    assert (fin.finish_reason, fin.num_output_tokens, fin.queue_s) == ("abort", 0, None)
+    assert "b" not in d.streams
+    d.run()
+    d.assert_matches_reference("a")
+    assert d.sched.pool.used == 0 and d.sched.pool.num_free_seqs == 1
+
+
+def test_abort_running_request_frees_its_seq_and_cells() -> None:
+    d = Driver(cfg())
+    a = d.add(make_request("a", prompt(6), 30))
+    b = d.add(make_request("b", prompt(5, 1), 30))
+    for _ in range(3):
+        d.step()
+    seq_a = a.seq_id
+    assert d.sched.pool.used == a.num_computed + b.num_computed
+    n_out = len(d.streams["a"])
+    d.sched.abort("a")
+    s = d.step()
+    assert a.status is RequestStatus.FINISHED_ABORTED and a.seq_id is None
+    assert s.out.batch.released == [seq_a]
+    assert s.out.reqs == [b]
+    assert seq_a not in d.fake.kv
+    assert d.sched.pool.used == b.num_computed
+    assert s.stats is not None
+    assert [f.finish_reason for f in s.stats.finished] == ["abort"]
+    assert s.stats.finished[0].num_output_tokens == n_out
+    assert len(d.streams["a"]) == n_out  # nothing more for the aborted stream
+    assert d.sched.pool.num_free_seqs == 3
+    d.sched.abort("a")  # a second abort, or one for a finished request, is a no-op
+    d.run()
+    d.assert_matches_reference("b")
+    assert d.sched.pool.used == 0 and d.sched.pool.num_free_seqs == 4
+
+
+def test_abort_of_unknown_or_finished_request_is_ignored() -> None:
+    d = Driver(cfg())
+    d.add(make_request("a", prompt(3), 1))
+    d.run()
+    d.sched.abort("a")
+    d.sched.abort("nope")
+    assert not d.sched.has_work
+
+
+def test_queue_bound_raises_queue_full() -> None:
+    d = Driver(cfg(max_waiting=2, max_num_seqs=1))
+    d.add(make_request("a", prompt(3), 4))
+    d.add(make_request("b", prompt(3, 1), 4))
+    with pytest.raises(QueueFull):
+        d.add(make_request("c", prompt(3, 2), 4))
+    d.step()  # admits a; b still waits (one seq id)
+    d.add(make_request("c", prompt(3, 2), 4))
+    with pytest.raises(QueueFull):
+        d.add(make_request("e", prompt(3, 3), 4))
+    d.run()
+    for r in "abc":
+        d.assert_matches_reference(r)
+
+
+# ---- preemption -------------------------------------------------------------------------
+
+
+def test_newest_request_is_preempted_then_resumed_with_exact_output() -> None:
+    d = Driver(cfg(max_num_seqs=2, kv_capacity=30, max_num_batched_tokens=16))
+    a = d.add(make_request("a", prompt(8), 14))  # needs 8 + 13 cells
+    b = d.add(make_request("b", prompt(6, 1), 10))  # needs 6 + 9 cells
+    c = d.add(make_request("c", prompt(2, 2), 2))  # waits for a seq id
+    first = d.step()
+    while not first.out.num_preempted:
+        first = d.step()
+    assert first.stats is not None and first.stats.num_preempted == 1
+    assert b.status is RequestStatus.WAITING and b.num_preemptions == 1
+    assert a.num_preemptions == 0 and first.out.reqs == [a]
+    assert len(first.out.batch.released) == 1  # b's seq id goes back in the same batch
+    assert list(d.sched.waiting) == [b, c]  # the preempted request is first in line
+    d.run()
+    assert a.num_preemptions == 0 and b.num_preemptions == 1
+    resumed = next(
+        s for s in d.steps[d.steps.index(first) + 1 :] if any(r is b for r in s.out.reqs)
+    )
+    chunk = resumed.out.batch.chunks[resumed.out.reqs.index(b)]
+    [start] = [s for s in resumed.out.batch.starts if s.seq_id == chunk.seq_id]
+    assert chunk.pos0 == 0
+    assert len(chunk.tokens) == b.num_prompt + len(start.history)
+    assert len(start.history) > 0
+    assert start.history == d.token_ids("b")[: len(start.history)]
+    for r in "abc":
+        d.assert_matches_reference(r)
+
+
+def test_preempted_request_is_not_readmitted_in_the_same_step() -> None:
+    """Preemption frees cells for the running requests to grow into; handing them straight
+    back to the victim (from position 0) throws its KV away for nothing and thrashes.
+    vLLM v1 admits no waiting request in a step that preempted."""
+    d = Driver(cfg(max_num_seqs=2, kv_capacity=12, max_num_batched_tokens=8, max_prefill_chunk=3))
+    d.add(make_request("a", prompt(2), 10))  # 2 + 9 cells: fits alone
+    b = d.add(make_request("b", prompt(2, 1), 10))
+    readmitted = []
+    while d.sched.has_work:
+        before = b.num_preemptions
+        step = d.step()
+        if b.num_preemptions > before and any(r is b for r in step.out.reqs):
+            readmitted.append(len(d.steps))
+    d.assert_matches_reference("a")
+    d.assert_matches_reference("b")
+    assert readmitted == [], (
+        f"b was preempted {b.num_preemptions} times and restarted from position 0 in the "
+        f"very batch that preempted it at steps {readmitted}"
+    )
+
+
+def test_preemption_with_many_requests_matches_reference() -> None:
+    d = Driver(cfg(max_num_seqs=4, kv_capacity=40, max_num_batched_tokens=12))
+    for i in range(8):
+        d.add(make_request(f"r{i}", prompt(3 + 2 * i, i), 30 - 2 * i))
+    d.run()
+    assert sum(r.num_preemptions for r in d.reqs.values()) > 0
+    for r in d.reqs:
+        d.assert_matches_reference(r)
+
+
+def test_backend_kv_full_rolls_back_and_preempts_the_newest() -> None:
+    d = Driver(cfg(), FakeEngine(faults={3: KVCacheFull("fragmented")}))
+    a = d.add(make_request("a", prompt(5), 8))
+    b = d.add(make_request("b", prompt(5, 1), 8))
+    for _ in range(3):
+        d.step()
+    used = d.sched.pool.used
+    out = d.sched.schedule(d.now + 1)
+    assert d.sched.pool.used == used + 2
+    with pytest.raises(KVCacheFull):
+        d.fake.step(out.batch)
+    d.sched.rollback_kv_full(out)
+    assert b.status is RequestStatus.WAITING and b.num_preemptions == 1
+    assert d.sched.pool.used == a.num_computed
+    d.sched.pool.sanity_checks()
+    d.run()
+    d.assert_matches_reference("a")
+    d.assert_matches_reference("b")
+
+
+def test_engine_failure_ends_only_that_steps_requests() -> None:
+    d = Driver(cfg(max_num_seqs=1), FakeEngine(faults={2: BackendError("boom")}))
+    a = d.add(make_request("a", prompt(5), 8))
+    d.add(make_request("b", prompt(5, 1), 8))
+    d.step()
+    d.step()
+    out = d.sched.schedule(d.now + 1)
+    assert out.reqs == [a]
+    with pytest.raises(BackendError):
+        d.fake.step(out.batch)
+    outputs, stats = d.sched.fail(out, d.now + 1)
+    assert [(o.req_id, o.finish_reason, o.text, o.token_ids) for o in outputs] == [
+        ("a", "error", "", [])
+    ]
+    assert [f.finish_reason for f in stats.finished] == ["error"]
+    assert a.status is RequestStatus.FINISHED_ERROR and d.sched.pool.used == 0
+    d.run()
+    d.assert_matches_reference("b")
+
+
+# ---- finishing: length, EOG, stop strings -----------------------------------------------
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 7])
+def test_max_tokens_finishes_with_length_and_exact_count(max_tokens: int) -> None:
+    d = Driver(cfg())
+    d.add(make_request("a", prompt(4), max_tokens))
+    d.run()
+    stream = d.streams["a"]
+    assert len(stream) == max_tokens
+    assert [o.num_output_tokens for o in stream] == list(range(1, max_tokens + 1))
+    assert stream[-1].finish_reason == "length"
+    assert all(o.num_prompt_tokens == 4 for o in stream)
+    d.assert_matches_reference("a")
+    fins = [f for s in d.steps if s.stats for f in s.stats.finished]
+    assert [(f.finish_reason, f.num_output_tokens) for f in fins] == [("length", max_tokens)]
+
+
+def test_eog_finishes_with_stop_and_no_text() -> None:
+    d = Driver(cfg())
+    d.add(make_request("a", [EOG_MARK, 7, 3, 4], 10))
+    d.run()
+    ids = d.token_ids("a")
+    assert len(ids) == 4 and ids[-1] == EOG and EOG not in ids[:-1]
+    assert d.finish_reason("a") == "stop"
+    assert d.streams["a"][-1].text == ""
+    assert d.text("a") == "".join(token_bytes(t).decode() for t in ids[:-1])
+    d.assert_matches_reference("a")
+
+
+def test_eog_on_the_last_allowed_token_is_stop_not_length() -> None:
+    d = Driver(cfg())
+    d.add(make_request("a", [EOG_MARK, 5, 9], 3))
+    d.run()
+    assert d.token_ids("a")[-1] == EOG and len(d.token_ids("a")) == 3
+    assert d.finish_reason("a") == "stop"
+
+
+def spanning_stop(prompt_ids: list[int], n: int) -> tuple[str, int, int]:
+    """A stop string made of the end of token k and the start of token k+1, first seen there.
+
+    Returns (stop, k, offset in the text where the stop starts)."""
+    ref = reference(prompt_ids, n)
+    pieces = [token_bytes(t).decode() for t in ref.token_ids]
+    full = "".join(pieces)
+    for k in range(1, n - 1):
+        end_k = len("".join(pieces[: k + 1]))
+        stop = full[end_k - 2 : end_k + 2]
+        if full.find(stop) == end_k - 2:
+            return stop, k, end_k - 2
+    raise AssertionError("no usable stop in this output")
+
+
+def test_stop_string_spanning_two_tokens_truncates_and_finishes_stop() -> None:
+    p = prompt(6)
+    stop, k, at = spanning_stop(p, 20)
+    full = reference(p, 20).text
+    d = Driver(cfg())
+    d.add(make_request("a", p, 20, stops=(stop,)))
+    d.run()
+    assert d.finish_reason("a") == "stop"
+    assert d.text("a") == full[:at]
+    assert d.token_ids("a") == reference(p, 20).token_ids[: k + 2]
+    # The first half of the stop was held back: no delta ever showed part of it at the end.
+    emitted = ""
+    for o in d.streams["a"]:
+        emitted += o.text
+        assert emitted == full[: len(emitted)]
+    # After token k the stop's first half (its last two characters) is held back ...
+    assert "".join(o.text for o in d.streams["a"][: k + 1]) == full[:at]
+    # ... and token k+1 completes the stop: nothing more is shown.
+    assert d.streams["a"][k + 1].text == ""
+    d.assert_matches_reference("a")
+
+
+def test_stop_string_within_one_token() -> None:
+    p = prompt(6, 4)
+    ref = reference(p, 12)
+    stop = token_bytes(ref.token_ids[5]).decode().strip()  # e.g. "t17"
+    d = Driver(cfg())
+    d.add(make_request("a", p, 12, stops=(stop,)))
+    d.run()
+    assert d.finish_reason("a") == "stop"
+    assert stop not in d.text("a")
+    assert len(d.token_ids("a")) <= 6
+    d.assert_matches_reference("a")
+
+
+def test_held_back_text_is_flushed_when_length_ends_the_request() -> None:
+    p = prompt(5, 2)
+    ref = reference(p, 4)
+    # A stop that starts like the last token's text but never completes.
+    stop = token_bytes(ref.token_ids[-1]).decode() + "\x00"
+    d = Driver(cfg())
+    d.add(make_request("a", p, 4, stops=(stop,)))
+    d.run()
+    assert d.finish_reason("a") == "length"
+    assert d.text("a") == ref.text
+    assert d.streams["a"][-1].text.endswith(token_bytes(ref.token_ids[-1]).decode())
+
+
+# ---- stats ------------------------------------------------------------------------------
+
+
+def test_stats_are_consistent_with_the_run() -> None:
+    d = Driver(cfg(max_num_seqs=2, max_num_batched_tokens=10))
+    arrivals = {"a": 0.0, "b": 0.0, "c": 0.0}
+    d.add(make_request("a", prompt(4), 5, arrival=0.0))
+    d.add(make_request("b", prompt(12, 1), 3, arrival=0.0))
+    d.add(make_request("c", [EOG_MARK, 6, 1, 2], 9, arrival=0.0))
+    first_token_at: dict[str, float] = {}
+    while d.sched.has_work:
+        step = d.step()
+        st = step.stats
+        assert st is not None
+        assert st.num_running == len(d.sched.running)
+        assert st.num_waiting == len(d.sched.waiting)
+        assert st.kv_used == d.sched.pool.used == sum(r.num_computed for r in d.sched.running)
+        assert st.kv_capacity == 1_000
+        assert st.num_step_tokens == step.out.batch.num_tokens
+        assert st.num_step_seqs == len(step.out.batch.chunks)
+        assert st.num_generated_tokens == len(step.outputs)
+        new = [o.req_id for o in step.outputs if o.req_id not in first_token_at]
+        for r in new:
+            first_token_at[r] = d.now
+        assert sorted(st.ttft_s) == sorted(d.now - arrivals[r] for r in new)
+        assert len(st.queue_s) == len(new)
+        assert st.num_prompt_tokens == sum(d.reqs[r].num_prompt for r in new)
+        assert len(st.itl_s) == len(step.outputs) - len(new)
+        assert all(x == 1.0 for x in st.itl_s)  # one step = one time unit here
+    all_stats = [s.stats for s in d.steps if s.stats]
+    fins = [f for s in all_stats for f in s.finished]
+    assert Counter(f.finish_reason for f in fins) == {"length": 2, "stop": 1}
+    assert sorted(f.num_output_tokens for f in fins) == sorted(len(d.token_ids(r)) for r in "abc")
+    assert sum(s.num_generated_tokens for s in all_stats) == sum(len(d.token_ids(r)) for r in "abc")
+    assert sum(len(s.ttft_s) for s in all_stats) == 3
+    # c waited for a seq id: its queue time is when it was first scheduled.
+    c_fin = next(f for f in fins if f.finish_reason == "stop")
+    assert c_fin.queue_s is not None and c_fin.queue_s > 1.0
+    for r in "abc":
+        d.assert_matches_reference(r)
+
+
+# ---- randomized workloads against the slow reference ------------------------------------
+
+
+STOP_POOL = ("t7 t", "3 t1", "t22", "9 t4", "t31 t")
+VOCAB_PROMPT = 40
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_random_workload_matches_reference(seed: int) -> None:
+    rng = random.Random(seed)
+    config = cfg(
+        max_num_seqs=rng.choice([2, 3, 5]),
+        kv_capacity=rng.choice([40, 48, 64]),
+        max_num_batched_tokens=rng.choice([6, 8, 16]),
+        max_prefill_chunk=rng.choice([None, 3, 5]),
+        max_waiting=1_000,
+    )
+    d = Driver(config)
+    n_reqs = 40
+    pending: list[tuple[int, Request]] = []
+    for i in range(n_reqs):
+        n_prompt = rng.randint(1, 24)
+        max_tokens = rng.randint(1, min(24, config.kv_capacity - n_prompt + 1))
+        ids = [rng.randint(1, VOCAB_PROMPT) for _ in range(n_prompt)]
+        if n_prompt >= 2 and rng.random() < 0.2:
+            ids[0], ids[1] = EOG_MARK, n_prompt + rng.randint(0, max_tokens)
+        stops = tuple(rng.sample(STOP_POOL, k=rng.randint(0, 2)))
+        at = rng.randint(0, 80)
+        pending.append((at, make_request(f"r{i}", ids, max_tokens, arrival=at, stops=stops)))
+    pending.sort(key=lambda x: x[0])
+    aborted: set[str] = set()
+    step_no = 0
+    while pending or d.sched.has_work:
+        step_no += 1
+        assert step_no < 5_000, "livelock"
+        while pending and pending[0][0] <= step_no:
+            d.add(pending.pop(0)[1])
+        if d.reqs and rng.random() < 0.04:
+            victim = rng.choice(sorted(d.reqs))
+            if not d.reqs[victim].status.is_finished:
+                aborted.add(victim)
+            d.sched.abort(victim)
+        d.now = step_no - 1.0
+        step = d.step()
+        if step.stats is not None:
+            assert step.stats.kv_used <= config.kv_capacity
+    assert len(d.reqs) == n_reqs
+    for req_id, req in d.reqs.items():
+        assert req.status.is_finished
+        if req_id in aborted:
+            assert req.status is RequestStatus.FINISHED_ABORTED
+            ref = reference(req.prompt_ids, req.max_tokens, req.stops.stops)
+            got = d.token_ids(req_id)
+            assert got == ref.token_ids[: len(got)]
+            assert all(o.finish_reason is None for o in d.streams[req_id])
+        else:
+            d.assert_matches_reference(req_id)
+    assert d.sched.pool.used == 0
+    assert d.sched.pool.num_free_seqs == config.max_num_seqs
+
+
+def test_reference_is_what_the_fake_produces_alone() -> None:
+    """The fake and the reference agree, so the tests above compare like with like."""
+    p = prompt(5)
+    ref = reference(p, 6)
+    hist = list(p)
+    for tok in ref.token_ids:
+        assert next_token(hist) == tok
+        hist.append(tok)

@@ -1,0 +1,256 @@
+"""EngineLoop: the asyncio shell around the core, stepping the fake engine in its thread.
+
+Every wait is on a stream or on a stats predicate; the timeouts only turn a hang (or a loop
+task that died) into a failure with its cause instead of a stuck test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from engine.errors import BackendError, KVCacheFull
+from scheduler.core import Scheduler, SchedulerConfig
+from scheduler.loop import EngineLoop
+from scheduler.request import Request, RequestOutput, RequestStatus
+from scheduler.stats import StepStats
+from tests.fake_engine import FakeEngine, make_request, reference
+
+TIMEOUT_S = 10.0
+
+
+def cfg(**kw: int) -> SchedulerConfig:
+    base = dict(max_num_seqs=4, kv_capacity=1_000, max_num_batched_tokens=32, max_waiting=64)
+    base.update(kw)
+    return SchedulerConfig(**base)
+
+
+def prompt(n: int, salt: int = 0) -> list[int]:
+    return [1 + (5 * i + salt) % 40 for i in range(n)]
+
+
+class StatsLog:
+    """The `on_stats` sink: keeps every step's stats and wakes whoever waits on a predicate."""
+
+    def __init__(self) -> None:
+        self.items: list[StepStats] = []
+        self._waiters: list[tuple[Callable[[StepStats], bool], asyncio.Future[StepStats]]] = []
+
+    def __call__(self, stats: StepStats) -> None:
+        self.items.append(stats)
+        for pred, fut in self._waiters:
+            if not fut.done() and pred(stats):
+                fut.set_result(stats)
+
+    def expect(self, pred: Callable[[StepStats], bool]) -> asyncio.Future[StepStats]:
+        """A future for the first step from now on whose stats satisfy `pred`."""
+        fut: asyncio.Future[StepStats] = asyncio.get_running_loop().create_future()
+        self._waiters.append((pred, fut))
+        return fut
+
+
+class Harness:
+    def __init__(self, config: SchedulerConfig, fake: FakeEngine | None = None) -> None:
+        self.fake = fake or FakeEngine()
+        self.fake.n_batch = config.max_num_batched_tokens
+        self.stats = StatsLog()
+        self.loop = EngineLoop(Scheduler(config), self.fake.step, on_stats=self.stats)
+        self.loop.start()
+
+    async def guarded(self, aw: Coroutine[Any, Any, Any] | asyncio.Future[Any]) -> Any:
+        """Await `aw`, failing with the loop task's own exception if that task dies first."""
+        fut = asyncio.ensure_future(aw)
+        task = self.loop._task
+        assert task is not None
+        done, _ = await asyncio.wait({fut, task}, timeout=TIMEOUT_S, return_when="FIRST_COMPLETED")
+        if fut in done:
+            return fut.result()
+        fut.cancel()
+        if task in done:
+            task.result()  # re-raises what killed the loop
+            raise AssertionError("engine loop exited while a request was still waiting")
+        raise AssertionError(f"nothing after {TIMEOUT_S}s (scheduler livelock?)")
+
+    async def next_output(self, q: asyncio.Queue[RequestOutput]) -> RequestOutput:
+        out: RequestOutput = await self.guarded(q.get())
+        return out
+
+    async def collect(self, q: asyncio.Queue[RequestOutput]) -> list[RequestOutput]:
+        outs = [await self.next_output(q)]
+        while outs[-1].finish_reason is None:
+            outs.append(await self.next_output(q))
+        return outs
+
+    async def close(self) -> None:
+        await self.loop.stop()
+
+
+def run(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    asyncio.run(main())
+
+
+def assert_reference(req: Request, outs: list[RequestOutput]) -> None:
+    ref = reference(req.prompt_ids, req.max_tokens, req.stops.stops)
+    assert [t for o in outs for t in o.token_ids] == ref.token_ids
+    assert "".join(o.text for o in outs) == ref.text
+    assert outs[-1].finish_reason == ref.finish_reason
+    assert all(o.finish_reason is None for o in outs[:-1])
+
+
+def test_concurrent_requests_all_complete_in_shared_steps() -> None:
+    async def main() -> None:
+        h = Harness(cfg(max_num_seqs=4, max_num_batched_tokens=16))
+        first = [make_request(f"a{i}", prompt(3 + i, i), 6 + i) for i in range(3)]
+        qs = {r.req_id: h.loop.add(r) for r in first}
+        # A later wave joins while the first one is decoding.
+        a0_first = await h.next_output(qs["a0"])
+        later = [make_request(f"b{i}", prompt(10, 20 + i), 5, stops=("t3",)) for i in range(3)]
+        qs.update({r.req_id: h.loop.add(r) for r in later})
+        results = await asyncio.gather(*(h.collect(q) for q in qs.values()))
+        by_id = {outs[0].req_id: outs for outs in results}
+        by_id["a0"].insert(0, a0_first)
+        for r in first + later:
+            assert_reference(r, by_id[r.req_id])
+        assert max(s.num_step_seqs for s in h.stats.items) > 1
+        # Some step mixed a first-wave decoder with a second-wave prompt.
+        assert any(
+            len(b.starts) > 0 and any(len(c.tokens) == 1 for c in b.chunks) for b in h.fake.batches
+        )
+        await h.close()
+        assert h.loop.scheduler.pool.used == 0
+        assert not h.loop.is_running
+
+    run(main)
+
+
+def test_abort_during_generation_ends_the_stream_and_frees_kv() -> None:
+    async def main() -> None:
+        h = Harness(cfg())
+        req = make_request("long", prompt(8), 500)
+        q = h.loop.add(req)
+        got = [await h.next_output(q), await h.next_output(q)]
+        assert all(o.finish_reason is None for o in got)
+        freed = h.stats.expect(
+            lambda s: (
+                s.kv_used == 0
+                and s.num_running == 0
+                and [f.finish_reason for f in s.finished] == ["abort"]
+            )
+        )
+        h.loop.abort("long")
+        queued = q.qsize()  # already delivered before the abort; nothing may follow them
+        st = await h.guarded(freed)
+        assert st.finished[0].num_output_tokens < 500
+        assert req.status is RequestStatus.FINISHED_ABORTED
+        assert q.qsize() == queued, "outputs arrived after the abort"
+        assert h.fake.kv == {}  # the engine was told to drop the sequence
+        # The loop goes on serving.
+        nxt = make_request("next", prompt(4, 3), 4)
+        assert_reference(nxt, await h.collect(h.loop.add(nxt)))
+        assert q.qsize() == queued
+        assert all(q.get_nowait().finish_reason is None for _ in range(queued))
+        await h.close()
+
+    run(main)
+
+
+def test_abort_one_of_several_keeps_the_others_going() -> None:
+    async def main() -> None:
+        h = Harness(cfg())
+        reqs = [make_request(f"r{i}", prompt(5, i), 40 if i == 1 else 12) for i in range(3)]
+        qs = [h.loop.add(r) for r in reqs]
+        await h.next_output(qs[1])
+        h.loop.abort("r1")
+        queued = qs[1].qsize()
+        done = await asyncio.gather(h.collect(qs[0]), h.collect(qs[2]))
+        assert_reference(reqs[0], done[0])
+        assert_reference(reqs[2], done[1])
+        assert reqs[1].status is RequestStatus.FINISHED_ABORTED
+        assert qs[1].qsize() == queued
+        assert all(qs[1].get_nowait().finish_reason is None for _ in range(queued))
+        await h.close()
+        assert h.loop.scheduler.pool.used == 0
+
+    run(main)
+
+
+def test_backend_error_fails_only_that_steps_requests() -> None:
+    async def main() -> None:
+        # One seq id: b waits while a runs, so the failing step (the third) holds only a.
+        h = Harness(cfg(max_num_seqs=1), FakeEngine(faults={2: BackendError("ggml said no")}))
+        a = make_request("a", prompt(5), 8)
+        b = make_request("b", prompt(6, 1), 5)
+        qa, qb = h.loop.add(a), h.loop.add(b)
+        errored = h.stats.expect(lambda s: [f.finish_reason for f in s.finished] == ["error"])
+        outs_a = await h.collect(qa)
+        assert [o.finish_reason for o in outs_a] == [None, None, "error"]
+        assert outs_a[-1].token_ids == [] and outs_a[-1].text == ""
+        ref_a = reference(a.prompt_ids, a.max_tokens)
+        assert [t for o in outs_a for t in o.token_ids] == ref_a.token_ids[:2]
+        assert a.status is RequestStatus.FINISHED_ERROR
+        await h.guarded(errored)
+        assert_reference(b, await h.collect(qb))
+        # A request that arrives after the failure is served normally.
+        c = make_request("c", prompt(3, 2), 3)
+        assert_reference(c, await h.collect(h.loop.add(c)))
+        await h.close()
+        assert h.loop.scheduler.pool.used == 0
+
+    run(main)
+
+
+def test_kv_cache_full_rolls_back_preempts_and_everything_completes() -> None:
+    async def main() -> None:
+        h = Harness(cfg(), FakeEngine(faults={3: KVCacheFull("no slot")}))
+        reqs = [make_request(f"r{i}", prompt(4 + i, i), 10) for i in range(3)]
+        qs = [h.loop.add(r) for r in reqs]
+        results = await asyncio.gather(*(h.collect(q) for q in qs))
+        for r, outs in zip(reqs, results, strict=True):
+            assert_reference(r, outs)
+        assert [r.num_preemptions for r in reqs] == [0, 0, 1]  # the newest gave way
+        failed, after = h.fake.batches[3], h.fake.batches[4]
+        assert len(failed.chunks) == 3
+        # its KV goes at once; it is re-admitted only after a request finished (real room)
+        assert len(after.released) == 1 and len(after.starts) == 0
+        restart = next(i for i, b in enumerate(h.fake.batches) if i > 4 and b.starts)
+        assert any(b.released for b in h.fake.batches[5 : restart + 1])
+        await h.close()
+        assert h.loop.scheduler.pool.used == 0
+
+    run(main)
+
+
+def test_backend_with_less_room_than_the_accounting_still_makes_progress() -> None:
+    """llama.cpp can refuse a batch the pool's arithmetic admits (fragmented or SWA cache).
+
+    Three requests of 6 + 24 cells each on a backend of 40 cells (the scheduler believes
+    100): each fits alone, so after the backend says "full" the loop must settle into running
+    what fits. Today it preempts the newest, re-admits it at the very next schedule (the
+    pool's arithmetic still says there is room), gets "full" again, and never advances.
+    """
+
+    async def main() -> None:
+        fake = FakeEngine(capacity=40, max_steps=400)
+        h = Harness(cfg(max_num_seqs=3, kv_capacity=100, max_num_batched_tokens=16), fake)
+        reqs = [make_request(f"r{i}", prompt(6, i), 25) for i in range(3)]
+        qs = [h.loop.add(r) for r in reqs]
+        results = await asyncio.gather(*(h.collect(q) for q in qs))
+        for r, outs in zip(reqs, results, strict=True):
+            assert_reference(r, outs)
+        await h.close()
+
+    run(main)
+
+
+def test_stop_drains_running_requests() -> None:
+    async def main() -> None:
+        h = Harness(cfg())
+        req = make_request("a", prompt(4), 6)
+        q = h.loop.add(req)
+        await h.loop.stop(drain_s=TIMEOUT_S)
+        assert not h.loop.is_running
+        outs = [q.get_nowait() for _ in range(q.qsize())]
+        assert_reference(req, outs)
+
+    run(main)
