@@ -99,7 +99,8 @@ def main() -> None:
     p.add_argument("--server-args", default="--n-ctx 16384 --n-seq-max 32")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    for noisy in ("httpx", "openai"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     if args.url:
         runs = asyncio.run(bench(args, args.url.rstrip("/") + "/v1"))
     else:

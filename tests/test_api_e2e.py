@@ -452,3 +452,18 @@ def test_metrics_after_traffic(server: Server) -> None:
     assert m["onegpu_requests_running"] == 0
     assert m["onegpu_kv_cache_used_cells"] == 0
     assert m["onegpu_kv_cache_capacity_cells"] == 16384
+
+
+def test_penalties_and_extra_samplers_change_greedy_output(server: Server) -> None:
+    c = client(server)
+    kw: dict[str, Any] = dict(model=MODEL, prompt="The capital of France is", max_tokens=40)
+    plain = c.completions.create(temperature=0, **kw).choices[0].text
+    penalised = c.completions.create(
+        temperature=0, frequency_penalty=1.5, presence_penalty=1.0,
+        extra_body={"repetition_penalty": 1.5}, **kw,
+    ).choices[0].text  # fmt: skip
+    assert plain != penalised
+    sampled = c.completions.create(
+        temperature=0.7, seed=3, extra_body={"top_k": 20, "min_p": 0.05}, **kw
+    )
+    assert sampled.choices[0].text
