@@ -80,7 +80,7 @@ class Engine:
         rc = self.ll.llama_decode(self.model.ctx, self._batch)
         t1 = time.perf_counter()
         raise_for_decode(rc)
-        sampled = {seq_id: self.sampler.sample(seq_id, idx) for seq_id, idx in want}
+        sampled = self.sampler.sample_all(want)
         return StepResult(sampled, decode_s=t1 - t0, sample_s=time.perf_counter() - t1)
 
     def close(self) -> None:

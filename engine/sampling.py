@@ -77,25 +77,34 @@ class SamplerBank:
         add(chain, ll.llama_sampler_init_dist(seed))
         return chain
 
-    def sample(self, seq_id: int, batch_idx: int) -> Sampled:
-        """Sample the next token of `seq_id` from the logits of batch position `batch_idx`."""
-        p = self._params[seq_id]
-        chain = self._chains.get(seq_id)
-        row = None
-        if chain is None:
-            row = self._row(batch_idx)
-            token = int(row.argmax())
-        else:
-            token = int(self.ll.llama_sampler_sample(chain, self.ctx, batch_idx))
-        if not p.logprobs:
-            return Sampled(token)
-        if row is None:
-            row = self._row(batch_idx)
-        return _with_logprobs(token, row, p.top_logprobs)
+    def sample_all(self, want: list[tuple[int, int]]) -> dict[int, Sampled]:
+        """Sample every sequence of the step; `want` is (seq_id, batch index), in batch order.
 
-    def _row(self, batch_idx: int) -> np.ndarray:
-        ptr = self.ll.llama_get_logits_ith(self.ctx, batch_idx)
-        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        llama.cpp keeps output rows in batch order, so row j of `llama_get_logits` belongs
+        to want[j]: greedy rows are reduced in one vectorised argmax over [N, V].
+        """
+        if not want:
+            return {}
+        ptr = self.ll.llama_get_logits(self.ctx)
+        rows = np.ctypeslib.as_array(ptr, shape=(len(want), self.n_vocab))  # [N, V]
+        greedy = [j for j, (seq_id, _) in enumerate(want) if seq_id not in self._chains]
+        tokens = [0] * len(want)
+        if greedy:
+            picks = rows[greedy].argmax(axis=1) if len(greedy) < len(want) else rows.argmax(axis=1)
+            for j, tok in zip(greedy, picks.tolist(), strict=True):
+                tokens[j] = tok
+        out: dict[int, Sampled] = {}
+        for j, (seq_id, batch_idx) in enumerate(want):
+            chain = self._chains.get(seq_id)
+            if chain is not None:
+                tokens[j] = int(self.ll.llama_sampler_sample(chain, self.ctx, batch_idx))
+            p = self._params[seq_id]
+            out[seq_id] = (
+                _with_logprobs(tokens[j], rows[j], p.top_logprobs)
+                if p.logprobs
+                else Sampled(tokens[j])
+            )
+        return out
 
 
 def _with_logprobs(token: int, row: np.ndarray, k: int) -> Sampled:

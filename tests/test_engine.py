@@ -434,3 +434,24 @@ def test_embedded_model_completes_and_knows_end_of_turn(gemma: Engine) -> None:
     )
     assert chat[0] == m.ll.llama_vocab_bos(m.vocab)
     assert end_of_turn[0] in chat
+
+
+def test_vectorised_greedy_matches_each_row_and_mixes_with_chains(open_engine: OpenEngine) -> None:
+    """Greedy rows are reduced together from `llama_get_logits`: each must be the argmax of
+    its own sequence's row (`llama_get_logits_ith`), also when chain-sampled rows sit
+    between them in the batch."""
+    eng = open_engine("llama")
+    m = eng.model
+    texts = ["hello world", "the people there", "what is", "one two three", "five six"]
+    prompts = [prompt_ids(eng, t) for t in texts]
+    params = [GREEDY, SamplingParams(temperature=0.0, repetition_penalty=1.3), GREEDY,
+              SamplingParams(temperature=0.7, seed=5), GREEDY]  # fmt: skip
+    starts = [SeqStart(s, p) for s, p in enumerate(params)]
+    res = eng.step(StepBatch([SeqChunk(s, p, 0, True) for s, p in enumerate(prompts)], starts))
+    idx = 0
+    for s, p in enumerate(prompts):
+        idx += len(p)
+        if params[s] is GREEDY:
+            row = np.ctypeslib.as_array(m.ll.llama_get_logits_ith(m.ctx, idx - 1), (m.n_vocab,))
+            assert res.sampled[s].token == int(row.argmax())
+    assert set(res.sampled) == set(range(5))
