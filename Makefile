@@ -2,7 +2,7 @@
 #   make serve   install (first time) and serve the embedded default model on 127.0.0.1:8090
 #   make test    install (first time) and run the whole test suite
 #   make check   ruff format --check, ruff check, mypy
-#   make bench   load benchmark of this server (see bench/)
+#   make bench   this server vs llama-server and llama-batched-bench (bench/compare.py)
 # GPU=cuda forces a CUDA build of llama.cpp; otherwise CUDA is used when `nvidia-smi -L` finds a GPU.
 
 SHELL := /bin/bash
@@ -53,7 +53,7 @@ check: $(STAMP)
 	$(VENV)/bin/mypy
 
 bench: $(STAMP) model
-	$(PY) -m bench.concurrency $(BENCH_ARGS)
+	$(PY) -m bench.compare $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

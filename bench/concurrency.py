@@ -79,8 +79,10 @@ async def bench(args: argparse.Namespace, base_url: str) -> dict[int, list[Run]]
 
 def report(runs: dict[int, list[Run]]) -> str:
     base = statistics.median(r.tok_s for r in runs[min(runs)])
-    lines = ["| clients | aggregate tok/s (median) | runs | slowest client tok/s | vs 1 client |",
-             "|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| clients | aggregate tok/s (median) | runs | slowest client tok/s | vs 1 client |",
+        "|---|---|---|---|---|",
+    ]
     for n, rs in runs.items():
         med = statistics.median(r.tok_s for r in rs)
         slow = statistics.median(r.slowest_tok_s for r in rs)

@@ -1,4 +1,5 @@
-"""Run the real server as a subprocess on a free loopback port, for end-to-end tests."""
+"""Run a server (ours, or llama.cpp's `llama-server`) as a subprocess on a free loopback
+port and wait until it is ready; used by the end-to-end tests and the benchmarks."""
 
 from __future__ import annotations
 
@@ -38,6 +39,34 @@ class Server:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def peak_rss_mib(self) -> float:
+        """Peak resident memory of the server process so far (VmHWM)."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+        raise RuntimeError("no VmHWM")
+
+    def vram_mib(self) -> float | None:
+        """GPU memory held by the process (nvidia-smi), None without a GPU."""
+        try:
+            out = subprocess.run(
+                [
+                    "nvidia-smi",
+                    "--query-compute-apps=pid,used_memory",
+                    "--format=csv,noheader,nounits",
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+        except (OSError, subprocess.CalledProcessError):
+            return None
+        for line in out.splitlines():
+            pid, mem = (x.strip() for x in line.split(","))
+            if pid == str(self.proc.pid):
+                return float(mem)
+        return None
+
     def stop(self) -> int:
         self.proc.terminate()
         try:
@@ -47,10 +76,10 @@ class Server:
             return self.proc.wait()
 
 
-def start_server(args: list[str], log_path: Path, ready_timeout_s: float = 120.0) -> Server:
-    """Start `one-gpu serve ARGS` and wait until /health answers 200 (or fail with its log)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "api.cli", "serve", "--port", str(port), *args]
+def start_process(
+    cmd: list[str], port: int, log_path: Path, ready_timeout_s: float = 300.0
+) -> Server:
+    """Start `cmd` (listening on `port`) and wait until /health answers 200."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with log_path.open("wb") as logf:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT, env=env)
@@ -67,3 +96,10 @@ def start_server(args: list[str], log_path: Path, ready_timeout_s: float = 120.0
         time.sleep(0.1)  # polling a readiness condition, bounded by the deadline
     server.stop()
     raise RuntimeError(f"server not ready in {ready_timeout_s}s:\n{server.log()}")
+
+
+def start_server(args: list[str], log_path: Path, ready_timeout_s: float = 300.0) -> Server:
+    """Start `one-gpu serve ARGS` on a free port."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "api.cli", "serve", "--port", str(port), *args]
+    return start_process(cmd, port, log_path, ready_timeout_s)

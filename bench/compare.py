@@ -1,0 +1,328 @@
+"""`make bench`: this server against llama.cpp's `llama-server`, same model, same run.
+
+For each repeat, each server is started in turn with the same settings (model file,
+context, batch sizes, threads, flash attention; all layers on the GPU when there is one)
+and driven by aiperf at every concurrency with greedy and typical sampling. Then
+`llama-batched-bench` gives the backend's ceiling. One table per sampling setting, medians
+over repeats, ours/theirs and ours/ceiling ratios, peak memory of both servers, and the
+share of our step time spent in Python (from our /metrics).
+
+"decode tok/s" = concurrency × the mean of each request's decode rate (tokens after the
+first / time after the first token): the server-side analogue of batched-bench's S_TG.
+"e2e tok/s" = all generated tokens / wall time of the run (prefill, HTTP and gaps included).
+
+    python -m bench.compare                      # the full CPU run (minutes)
+    python -m bench.compare --quick              # seconds: the harness end to end
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.aiperf_run import Cell, ensure_aiperf, ensure_tokenizer, run_aiperf
+from bench.batched_bench import run_batched_bench
+from bench.peers import ensure_peers
+from bench.server_proc import Server, free_port, start_process, start_server
+
+log = logging.getLogger("bench")
+SAMPLINGS: dict[str, dict[str, Any]] = {
+    "greedy": {"temperature": 0},
+    "typical": {"temperature": 0.8, "top_p": 0.95, "top_k": 40},
+}
+SERVERS = ("ours", "llama-server")
+
+
+@dataclass
+class Setup:
+    model: Path
+    name: str
+    n_ctx: int
+    n_parallel: int
+    threads: int
+    gpu: bool
+    n_batch: int = 2048
+    n_ubatch: int = 512
+
+    def ours(self, log_path: Path) -> Server:
+        return start_server(
+            [
+                "--model",
+                str(self.model),
+                "--served-model-name",
+                self.name,
+                "--n-ctx",
+                str(self.n_ctx),
+                "--n-seq-max",
+                str(self.n_parallel),
+                "--n-batch",
+                str(self.n_batch),
+                "--n-ubatch",
+                str(self.n_ubatch),
+                "--threads",
+                str(self.threads),
+                "--flash-attn",
+                "auto",
+                "--n-gpu-layers",
+                "-1" if self.gpu else "0",
+                "--log-level",
+                "warning",
+            ],
+            log_path,
+        )
+
+    def theirs(self, exe: Path, log_path: Path) -> Server:
+        port = free_port()
+        cmd = [
+            str(exe),
+            "-m",
+            str(self.model),
+            "-a",
+            self.name,
+            "-c",
+            str(self.n_ctx),
+            "-np",
+            str(self.n_parallel),
+            "-b",
+            str(self.n_batch),
+            "-ub",
+            str(self.n_ubatch),
+            "-t",
+            str(self.threads),
+            "-tb",
+            str(self.threads),
+            "-fa",
+            "auto",
+            "-kvu",
+            "--cache-ram",
+            "0",
+            "-ngl",
+            "99" if self.gpu else "0",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ]
+        return start_process(cmd, port, log_path)
+
+
+@dataclass
+class Results:
+    cells: dict[str, list[Cell]] = field(default_factory=dict)  # "server|sampling|N"
+    peak_rss_mib: dict[str, list[float]] = field(default_factory=dict)
+    vram_mib: dict[str, list[float]] = field(default_factory=dict)
+    python_share: list[float] = field(default_factory=list)  # ours, per repeat
+    ceiling: dict[int, list[float]] = field(default_factory=dict)
+
+    def add(self, server: str, sampling: str, n: int, cell: Cell) -> None:
+        self.cells.setdefault(f"{server}|{sampling}|{n}", []).append(cell)
+
+    def med(self, server: str, sampling: str, n: int, attr: str) -> float:
+        cells = self.cells[f"{server}|{sampling}|{n}"]
+        if attr == "decode_tok_s":
+            return statistics.median(n * c.per_user_tok_s for c in cells)
+        return float(statistics.median(getattr(c, attr) for c in cells))
+
+
+def python_share(server: Server) -> float:
+    """Our own Python's share of step time so far, from /metrics histogram sums."""
+    sums = {}
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        for name in ("onegpu_step_python_seconds_sum", "onegpu_step_duration_seconds_sum"):
+            if line.startswith(name + " "):
+                sums[name] = float(line.split()[1])
+    total = sums.get("onegpu_step_duration_seconds_sum", 0.0)
+    return sums.get("onegpu_step_python_seconds_sum", 0.0) / total if total else 0.0
+
+
+def warm_up(server: Server, name: str) -> None:
+    """A first request outside the measurements (graph allocation, page faults)."""
+    body = {"model": name, "prompt": "Warm-up request, not measured.", "max_tokens": 8}
+    httpx.post(server.base_url + "/completions", json=body, timeout=120).raise_for_status()
+
+
+def run(args: argparse.Namespace) -> tuple[Results, Setup]:
+    cache = Path(args.cache).resolve()
+    gpu = args.gpu if args.gpu is not None else shutil.which("nvidia-smi") is not None
+    peers = ensure_peers(cache, cuda=gpu)
+    aiperf = ensure_aiperf(cache)
+    model = Path(args.model) if args.model else _embedded()
+    tokenizer = ensure_tokenizer(aiperf, model, cache)
+    conc = args.concurrency
+    setup = Setup(
+        model=model,
+        name="bench-model",
+        n_ctx=max(4096, max(conc) * (args.isl + args.osl + 64)),
+        n_parallel=max(conc),
+        threads=args.threads or (os.cpu_count() or 1),
+        gpu=gpu,
+    )
+    run_dir = cache / "runs" / time.strftime("%Y%m%d-%H%M%S")
+    res = Results()
+    for rep in range(args.repeats):
+        order = SERVERS if rep % 2 == 0 else SERVERS[::-1]  # alternate who goes first
+        for who in order:
+            d = run_dir / f"rep{rep}" / who
+            d.mkdir(parents=True, exist_ok=True)
+            srv = (
+                setup.ours(d / "server.log")
+                if who == "ours"
+                else setup.theirs(peers.server, d / "server.log")
+            )
+            try:
+                warm_up(srv, setup.name)
+                for si, sname in enumerate(args.sampling):
+                    for ci, n in enumerate(conc):
+                        log.info("rep %d %s %s N=%d", rep, who, sname, n)
+                        cell = run_aiperf(
+                            aiperf,
+                            url=srv.url,
+                            model=setup.name,
+                            tokenizer=tokenizer,
+                            concurrency=n,
+                            requests=n * args.waves,
+                            isl=args.isl,
+                            osl=args.osl,
+                            sampling=SAMPLINGS[sname],
+                            out_dir=d / f"{sname}-c{n}",
+                            seed=1000 * rep + 100 * si + ci,  # same prompts for both servers
+                        )
+                        res.add(who, sname, n, cell)
+                res.peak_rss_mib.setdefault(who, []).append(srv.peak_rss_mib())
+                vram = srv.vram_mib()
+                if vram is not None:
+                    res.vram_mib.setdefault(who, []).append(vram)
+                if who == "ours":
+                    res.python_share.append(python_share(srv))
+            finally:
+                srv.stop()
+        ceiling = run_batched_bench(
+            peers.batched_bench,
+            model,
+            npl=conc,
+            isl=args.isl,
+            osl=args.osl,
+            n_ctx=setup.n_ctx,
+            threads=setup.threads,
+            gpu=gpu,
+            log_path=run_dir / f"rep{rep}" / "batched-bench.txt",
+        )
+        for n, v in ceiling.items():
+            res.ceiling.setdefault(n, []).append(v)
+    (run_dir / "results.json").write_text(
+        json.dumps(
+            {
+                "setup": {**asdict(setup), "model": str(model)},
+                "args": vars(args),
+                "results": asdict(res),
+            },
+            indent=1,
+            default=str,
+        )
+    )
+    log.info("raw results in %s", run_dir)
+    return res, setup
+
+
+def _embedded() -> Path:
+    from engine.default_model import default_model_path
+
+    return Path(default_model_path())
+
+
+_ATTRS = (
+    "decode_tok_s",
+    "output_tok_s",
+    "slowest_user_tok_s",
+    "ttft_p50",
+    "ttft_p99",
+    "itl_p50",
+    "itl_p99",
+)
+
+
+def report(res: Results, args: argparse.Namespace) -> str:
+    out = []
+    for s in args.sampling:
+        out += [
+            f"\n### {s} sampling ({SAMPLINGS[s]})\n",
+            "| N | decode tok/s ours | llama-server | ours/theirs | batched-bench | "
+            "ours/ceiling | e2e tok/s ours / theirs | slowest user ours / theirs | "
+            "TTFT p50, p99 ms ours | theirs | ITL p50, p99 ms ours | theirs |",
+            "|---" * 12 + "|",
+        ]
+        for n in args.concurrency:
+            o = {a: res.med("ours", s, n, a) for a in _ATTRS}
+            t = {a: res.med("llama-server", s, n, a) for a in _ATTRS}
+            ceil = statistics.median(res.ceiling[n])
+            out.append(
+                f"| {n} | {o['decode_tok_s']:.1f} | {t['decode_tok_s']:.1f} | "
+                f"{o['decode_tok_s'] / t['decode_tok_s']:.2f} | {ceil:.1f} | "
+                f"{o['decode_tok_s'] / ceil:.2f} | "
+                f"{o['output_tok_s']:.1f} / {t['output_tok_s']:.1f} | "
+                f"{o['slowest_user_tok_s']:.1f} / {t['slowest_user_tok_s']:.1f} | "
+                f"{o['ttft_p50']:.0f}, {o['ttft_p99']:.0f} | "
+                f"{t['ttft_p50']:.0f}, {t['ttft_p99']:.0f} | "
+                f"{o['itl_p50']:.1f}, {o['itl_p99']:.1f} | {t['itl_p50']:.1f}, {t['itl_p99']:.1f} |"
+            )
+    rss = {k: statistics.median(v) for k, v in res.peak_rss_mib.items()}
+    out.append(
+        f"\nPeak RSS (MiB, median): ours {rss['ours']:.0f}, llama-server "
+        f"{rss['llama-server']:.0f}, difference {rss['ours'] - rss['llama-server']:+.0f}"
+    )
+    if res.vram_mib:
+        vr = {k: statistics.median(v) for k, v in res.vram_mib.items()}
+        out.append(
+            f"VRAM (MiB): ours {vr.get('ours', 0):.0f}, llama-server "
+            f"{vr.get('llama-server', 0):.0f}"
+        )
+    share = statistics.median(res.python_share) if res.python_share else 0.0
+    out.append(f"Our Python outside llama_decode: {100 * share:.1f}% of step time (all cells)")
+    return "\n".join(out)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", help="GGUF (default: the embedded Gemma 3 270M)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
+    p.add_argument("--sampling", nargs="+", choices=list(SAMPLINGS), default=list(SAMPLINGS))
+    p.add_argument("--isl", type=int, default=128, help="prompt tokens")
+    p.add_argument("--osl", type=int, default=64, help="generated tokens per request")
+    p.add_argument("--waves", type=int, default=3, help="requests per user per cell")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--gpu", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--cache", default=".bench", help="peers, aiperf venv, tokenizers, runs")
+    p.add_argument("--quick", action="store_true", help="seconds: N=2, greedy, 1 repeat")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.concurrency, args.sampling, args.repeats = [2], ["greedy"], 1
+        args.isl, args.osl, args.waves = 32, 8, 1
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    res, setup = run(args)
+    print(
+        f"model {setup.model.name}, n_ctx {setup.n_ctx}, parallel {setup.n_parallel}, "
+        f"threads {setup.threads}, gpu {setup.gpu}, isl {args.isl}, osl {args.osl}, "
+        f"{args.repeats} repeats"
+    )
+    print(report(res, args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Build the llama.cpp peers — `llama-server` and `llama-batched-bench` — from the very
+sources llama-cpp-python vendors, so both servers run the same kernels.
+
+The build is cached under the bench cache folder (ignored by git) and reused while the
+binaries exist. On a host with a GPU (or with cuda=True) it is a CUDA build.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+LLAMA_CPP_PYTHON = "0.3.36"
+
+
+@dataclass(frozen=True)
+class Peers:
+    server: Path
+    batched_bench: Path
+
+
+def _sdist(cache: Path) -> Path:
+    """The llama-cpp-python source tarball: a local copy (offline GPU host) or from PyPI."""
+    for cand in (
+        cache / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz",
+        Path(".gpu/llama-cpp-python-src.tgz"),
+    ):
+        if cand.exists():
+            return cand
+    cache.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            f"llama-cpp-python=={LLAMA_CPP_PYTHON}",
+            "-d",
+            str(cache),
+        ],
+        check=True,
+    )
+    return cache / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
+
+
+def ensure_peers(cache: Path, *, cuda: bool) -> Peers:
+    out = cache / f"peers-{LLAMA_CPP_PYTHON}-{'cuda' if cuda else 'cpu'}"
+    peers = Peers(out / "llama-server", out / "llama-batched-bench")
+    if peers.server.exists() and peers.batched_bench.exists():
+        return peers
+    src = cache / "src"
+    root = src / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
+    if not (root / "CMakeLists.txt").exists():
+        src.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(_sdist(cache)) as tar:
+            tar.extractall(src, filter="data")
+    build = root / ("build-cuda" if cuda else "build-cpu")
+    flags = [
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DLLAMA_CURL=OFF",
+        "-DLLAMA_BUILD_TESTS=OFF",
+        "-DLLAMA_BUILD_EXAMPLES=OFF",
+        "-DLLAMA_BUILD_UI=OFF",
+        "-DLLAMA_USE_PREBUILT_UI=OFF",
+        "-DBUILD_SHARED_LIBS=OFF",
+    ]
+    if cuda:
+        flags += [
+            "-DGGML_CUDA=ON",
+            f"-DCMAKE_CUDA_ARCHITECTURES={os.environ.get('CUDA_ARCH', '90')}",
+        ]
+    gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+    log.info(
+        "building llama-server and llama-batched-bench (%s) in %s", "cuda" if cuda else "cpu", build
+    )
+    subprocess.run(["cmake", "-S", str(root), "-B", str(build), *gen, *flags], check=True)
+    jobs = str(os.cpu_count() or 2)
+    subprocess.run(
+        [
+            "cmake",
+            "--build",
+            str(build),
+            "-j",
+            jobs,
+            "--target",
+            "llama-server",
+            "llama-batched-bench",
+        ],
+        check=True,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("llama-server", "llama-batched-bench"):
+        shutil.copy2(build / "bin" / name, out / name)
+    return peers
