@@ -41,7 +41,13 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    import sys
+
     import uvicorn
+
+    # The engine thread must get the GIL back at once when llama_decode returns; by default
+    # a busy event loop (streaming to many clients) could hold it for up to 5 ms.
+    sys.setswitchinterval(0.0005)
 
     from api.app import build_app
     from api.state import ServerSettings

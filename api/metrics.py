@@ -81,6 +81,17 @@ class Metrics:
             "Per step, time outside llama_decode: batch fill, sampling, detokenization, streaming",
             buckets=_STEP, registry=r,
         )  # fmt: skip
+        self.phase_time = Counter(
+            "onegpu_step_phase_seconds",
+            "Step time by phase: schedule, fill (batch + sampler setup), decode (llama_decode), "
+            "sample, postprocess (detokenize, stops, fan-out), other (thread hand-off, waits)",
+            ["phase"],
+            registry=r,
+        )
+        self._phases = {
+            p: self.phase_time.labels(phase=p)
+            for p in ("schedule", "fill", "decode", "sample", "postprocess", "other")
+        }
         info = Gauge("onegpu_model_info", "The served model", ["model"], registry=r)
         info.labels(model=model_name).set(1)
 
@@ -101,6 +112,16 @@ class Metrics:
             self.step_time.observe(s.step_s)
             self.decode_time.observe(s.decode_s)
             self.python_time.observe(max(0.0, s.step_s - s.decode_s))
+            parts = {
+                "schedule": s.schedule_s,
+                "fill": s.fill_s,
+                "decode": s.decode_s,
+                "sample": s.sample_s,
+                "postprocess": s.postprocess_s,
+            }
+            parts["other"] = max(0.0, s.step_s - sum(parts.values()))
+            for phase, v in parts.items():
+                self._phases[phase].inc(v)
         for v in s.ttft_s:
             self.ttft.observe(v)
         for v in s.itl_s:

@@ -77,7 +77,7 @@ def run_aiperf(
         "--endpoint-type completions --streaming --ui none --no-server-metrics "
         "--use-server-token-count --isl-stddev 0 --osl-stddev 0 --workers-max 1 "
         "--dataset-sampling-strategy sequential --extra-inputs ignore_eos:true "
-        "--extra-inputs cache_prompt:false"
+        "--extra-inputs cache_prompt:false --connection-reuse-strategy never"
     )
     cmd = [str(aiperf), "profile", *fixed.split()]
     cmd += ["--model", model, "--url", url, "--tokenizer", str(tokenizer)]

@@ -18,6 +18,7 @@ first / time after the first token): the server-side analogue of batched-bench's
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -32,7 +33,8 @@ import httpx
 
 from bench.aiperf_run import Cell, ensure_aiperf, ensure_tokenizer, run_aiperf
 from bench.batched_bench import run_batched_bench
-from bench.peers import ensure_peers
+from bench.loadgen import run_load
+from bench.peers import Peers, ensure_peers
 from bench.server_proc import Server, free_port, start_process, start_server
 
 log = logging.getLogger("bench")
@@ -154,10 +156,14 @@ def warm_up(server: Server, name: str) -> None:
 def run(args: argparse.Namespace) -> tuple[Results, Setup]:
     cache = Path(args.cache).resolve()
     gpu = args.gpu if args.gpu is not None else shutil.which("nvidia-smi") is not None
-    peers = ensure_peers(cache, cuda=gpu)
-    aiperf = ensure_aiperf(cache)
+    if args.peer_bin:
+        bin_dir = Path(args.peer_bin)
+        peers = Peers(bin_dir / "llama-server", bin_dir / "llama-batched-bench")
+    else:
+        peers = ensure_peers(cache, cuda=gpu)
     model = Path(args.model) if args.model else _embedded()
-    tokenizer = ensure_tokenizer(aiperf, model, cache)
+    aiperf = ensure_aiperf(cache) if args.loadgen == "aiperf" else None
+    tokenizer = ensure_tokenizer(aiperf, model, cache) if aiperf else None
     conc = args.concurrency
     setup = Setup(
         model=model,
@@ -184,19 +190,34 @@ def run(args: argparse.Namespace) -> tuple[Results, Setup]:
                 for si, sname in enumerate(args.sampling):
                     for ci, n in enumerate(conc):
                         log.info("rep %d %s %s N=%d", rep, who, sname, n)
-                        cell = run_aiperf(
-                            aiperf,
-                            url=srv.url,
-                            model=setup.name,
-                            tokenizer=tokenizer,
-                            concurrency=n,
-                            requests=n * args.waves,
-                            isl=args.isl,
-                            osl=args.osl,
-                            sampling=SAMPLINGS[sname],
-                            out_dir=d / f"{sname}-c{n}",
-                            seed=1000 * rep + 100 * si + ci,  # same prompts for both servers
-                        )
+                        seed = 1000 * rep + 100 * si + ci  # same prompts for both servers
+                        if aiperf is not None and tokenizer is not None:
+                            cell = run_aiperf(
+                                aiperf,
+                                url=srv.url,
+                                model=setup.name,
+                                tokenizer=tokenizer,
+                                concurrency=n,
+                                requests=n * args.waves,
+                                isl=args.isl,
+                                osl=args.osl,
+                                sampling=SAMPLINGS[sname],
+                                out_dir=d / f"{sname}-c{n}",
+                                seed=seed,
+                            )
+                        else:
+                            cell = asyncio.run(
+                                run_load(
+                                    srv.base_url,
+                                    model=setup.name,
+                                    concurrency=n,
+                                    requests=n * args.waves,
+                                    isl=args.isl,
+                                    osl=args.osl,
+                                    sampling=SAMPLINGS[sname],
+                                    seed=seed,
+                                )
+                            )
                         res.add(who, sname, n, cell)
                 res.peak_rss_mib.setdefault(who, []).append(srv.peak_rss_mib())
                 vram = srv.vram_mib()
@@ -303,6 +324,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--gpu", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--cache", default=".bench", help="peers, aiperf venv, tokenizers, runs")
+    p.add_argument(
+        "--loadgen",
+        choices=["aiperf", "openai"],
+        default="aiperf",
+        help="aiperf, or bench/loadgen.py where aiperf cannot be installed",
+    )
+    p.add_argument("--peer-bin", help="prebuilt llama-server and llama-batched-bench folder")
     p.add_argument("--quick", action="store_true", help="seconds: N=2, greedy, 1 repeat")
     args = p.parse_args(argv)
     if args.quick:

@@ -44,7 +44,7 @@ class Engine:
         self._batch.n_seq_id = self._nseq.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
         self._batch.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(seq_ptr_t))
         self._batch.logits = self._out.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
-        self.sampler = SamplerBank(ll, model.ctx, model.n_vocab)
+        self.sampler = SamplerBank(ll, model.ctx, model.n_vocab, model.cfg.threads()[1])
 
     def step(self, batch: StepBatch) -> StepResult:
         """Release finished sequences, start new ones, decode the batch, sample.
@@ -52,6 +52,7 @@ class Engine:
         Raises `InvalidBatch` before submitting anything llama.cpp would abort on, and the
         typed errors of `raise_for_decode` for the backend's return codes.
         """
+        t_start = time.perf_counter()
         for seq_id in batch.released:
             self.model.seq_rm(seq_id)
             self.sampler.release(seq_id)
@@ -81,7 +82,9 @@ class Engine:
         t1 = time.perf_counter()
         raise_for_decode(rc)
         sampled = self.sampler.sample_all(want)
-        return StepResult(sampled, decode_s=t1 - t0, sample_s=time.perf_counter() - t1)
+        return StepResult(
+            sampled, fill_s=t0 - t_start, decode_s=t1 - t0, sample_s=time.perf_counter() - t1
+        )
 
     def close(self) -> None:
         self.sampler.close()

@@ -87,5 +87,6 @@ class StepResult:
     """What one step produced: a sampled token per sequence that asked for one."""
 
     sampled: dict[int, Sampled]
+    fill_s: float = 0.0  # releases, sampler starts, batch fill
     decode_s: float = 0.0  # time inside llama_decode
     sample_s: float = 0.0  # time sampling and computing logprobs

@@ -225,6 +225,7 @@ class Scheduler:
             num_step_tokens=out.batch.num_tokens,
             num_step_seqs=len(out.batch.chunks),
             num_preempted=out.num_preempted,
+            fill_s=result.fill_s,
             decode_s=result.decode_s,
             sample_s=result.sample_s,
         )

@@ -27,9 +27,12 @@ class StepStats:
     num_prompt_tokens: int = 0  # prompt tokens whose prefill completed in this step
     num_generated_tokens: int = 0
     num_preempted: int = 0
+    schedule_s: float = 0.0  # schedule(): which tokens go in
+    fill_s: float = 0.0  # engine: releases, sampler starts, batch fill
     decode_s: float = 0.0  # inside llama_decode
     sample_s: float = 0.0  # sampling + logprobs in the engine
-    step_s: float = 0.0  # whole step as the loop saw it (schedule → postprocess)
+    postprocess_s: float = 0.0  # append, detokenize, stops, finish, hand each stream its delta
+    step_s: float = 0.0  # whole step as the loop saw it (schedule → fan-out)
     ttft_s: list[float] = field(default_factory=list)
     queue_s: list[float] = field(default_factory=list)
     itl_s: list[float] = field(default_factory=list)

@@ -7,10 +7,12 @@ task that died) into a failure with its cause instead of a stuck test.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 from engine.errors import BackendError, KVCacheFull
+from engine.step_types import StepBatch, StepResult
 from scheduler.core import Scheduler, SchedulerConfig
 from scheduler.loop import EngineLoop
 from scheduler.request import Request, RequestOutput, RequestStatus
@@ -51,12 +53,28 @@ class StatsLog:
 
 
 class Harness:
-    def __init__(self, config: SchedulerConfig, fake: FakeEngine | None = None) -> None:
+    def __init__(
+        self, config: SchedulerConfig, fake: FakeEngine | None = None, hold_at_step: int = -1
+    ) -> None:
+        """`hold_at_step=k`: the engine thread waits before step k until `release()`, so a
+        test can act while the loop is at a known point (the fake steps in microseconds)."""
         self.fake = fake or FakeEngine()
         self.fake.n_batch = config.max_num_batched_tokens
         self.stats = StatsLog()
-        self.loop = EngineLoop(Scheduler(config), self.fake.step, on_stats=self.stats)
+        self.held = threading.Event()
+        self._gate = threading.Event()
+        self._hold_at = hold_at_step
+        self.loop = EngineLoop(Scheduler(config), self._step, on_stats=self.stats)
         self.loop.start()
+
+    def _step(self, batch: StepBatch) -> StepResult:
+        if len(self.fake.batches) == self._hold_at:
+            self.held.set()
+            assert self._gate.wait(TIMEOUT_S), "never released"
+        return self.fake.step(batch)
+
+    def release(self) -> None:
+        self._gate.set()
 
     async def guarded(self, aw: Coroutine[Any, Any, Any] | asyncio.Future[Any]) -> Any:
         """Await `aw`, failing with the loop task's own exception if that task dies first."""
@@ -100,16 +118,16 @@ def assert_reference(req: Request, outs: list[RequestOutput]) -> None:
 
 def test_concurrent_requests_all_complete_in_shared_steps() -> None:
     async def main() -> None:
-        h = Harness(cfg(max_num_seqs=4, max_num_batched_tokens=16))
+        h = Harness(cfg(max_num_seqs=4, max_num_batched_tokens=16), hold_at_step=2)
         first = [make_request(f"a{i}", prompt(3 + i, i), 6 + i) for i in range(3)]
         qs = {r.req_id: h.loop.add(r) for r in first}
-        # A later wave joins while the first one is decoding.
-        a0_first = await h.next_output(qs["a0"])
+        # A later wave joins while the first one is decoding (the loop waits before step 2).
+        await h.guarded(asyncio.to_thread(h.held.wait, TIMEOUT_S))
         later = [make_request(f"b{i}", prompt(10, 20 + i), 5, stops=("t3",)) for i in range(3)]
         qs.update({r.req_id: h.loop.add(r) for r in later})
+        h.release()
         results = await asyncio.gather(*(h.collect(q) for q in qs.values()))
         by_id = {outs[0].req_id: outs for outs in results}
-        by_id["a0"].insert(0, a0_first)
         for r in first + later:
             assert_reference(r, by_id[r.req_id])
         assert max(s.num_step_seqs for s in h.stats.items) > 1
@@ -126,10 +144,11 @@ def test_concurrent_requests_all_complete_in_shared_steps() -> None:
 
 def test_abort_during_generation_ends_the_stream_and_frees_kv() -> None:
     async def main() -> None:
-        h = Harness(cfg())
+        h = Harness(cfg(), hold_at_step=3)
         req = make_request("long", prompt(8), 500)
         q = h.loop.add(req)
         got = [await h.next_output(q), await h.next_output(q)]
+        await h.guarded(asyncio.to_thread(h.held.wait, TIMEOUT_S))  # mid-generation
         assert all(o.finish_reason is None for o in got)
         freed = h.stats.expect(
             lambda s: (
@@ -140,6 +159,7 @@ def test_abort_during_generation_ends_the_stream_and_frees_kv() -> None:
         )
         h.loop.abort("long")
         queued = q.qsize()  # already delivered before the abort; nothing may follow them
+        h.release()
         st = await h.guarded(freed)
         assert st.finished[0].num_output_tokens < 500
         assert req.status is RequestStatus.FINISHED_ABORTED
@@ -157,11 +177,13 @@ def test_abort_during_generation_ends_the_stream_and_frees_kv() -> None:
 
 def test_abort_one_of_several_keeps_the_others_going() -> None:
     async def main() -> None:
-        h = Harness(cfg())
+        h = Harness(cfg(), hold_at_step=3)
         reqs = [make_request(f"r{i}", prompt(5, i), 40 if i == 1 else 12) for i in range(3)]
         qs = [h.loop.add(r) for r in reqs]
         await h.next_output(qs[1])
-        h.loop.abort("r1")
+        await h.guarded(asyncio.to_thread(h.held.wait, TIMEOUT_S))
+        h.loop.abort("r1")  # while the loop waits before step 3: r1 is mid-generation
+        h.release()
         queued = qs[1].qsize()
         done = await asyncio.gather(h.collect(qs[0]), h.collect(qs[2]))
         assert_reference(reqs[0], done[0])

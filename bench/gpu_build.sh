@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# On the offline GPU host: unpack the stripped llama-cpp-python source and the wheels that
+# .gpu/ carries, build llama.cpp with CUDA as shared libraries (our engine loads them
+# through LLAMA_CPP_LIB_PATH; llama-server and llama-batched-bench link the same ones),
+# and write the random-weight Qwen3-30B-A3B-shaped Q4_0 model, in parallel.
+# Usage: bench/gpu_build.sh WORKDIR   (then source WORKDIR/env.sh)
+set -euo pipefail
+W=${1:?WORKDIR}
+mkdir -p "$W"
+tar xzf .gpu/llama-cpp-python-src.tgz -C "$W"
+SRC="$W/llama_cpp_python-0.3.36"
+L="$SRC/vendor/llama.cpp"
+python3 -m pip install -q --no-index --no-deps --no-compile --target "$W/site" .gpu/*.whl
+cat > "$W/env.sh" <<ENV
+export LLAMA_CPP_LIB_PATH=$L/build/bin
+export PYTHONPATH=$W/site:$SRC:$PWD
+export PEER_BIN=$L/build/bin
+export MODEL=$W/moe30.gguf
+ENV
+if [ ! -f "$W/moe30.gguf" ]; then
+  PYTHONPATH="$W/site" python3 .gpu/synth_gguf.py "$W/moe30.gguf" --arch qwen3moe --layers 48 \
+    --embd 2048 --heads 32 --kv-heads 4 --head-dim 128 --ff 6144 --experts 128 --used 8 \
+    --ff-exp 768 --vocab 151936 > "$W/synth.log" 2>&1 &
+fi
+cmake -S "$L" -B "$L/build" -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+  -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF \
+  -DLLAMA_USE_PREBUILT_UI=OFF -DBUILD_SHARED_LIBS=ON -DCMAKE_BUILD_TYPE=Release > "$W/cmake.log"
+cmake --build "$L/build" -j"$(nproc)" --target llama llama-batched-bench llama-server \
+  > "$W/build.log" 2>&1 || { tail -30 "$W/build.log"; exit 1; }
+wait
+ls -la "$L/build/bin" "$W/moe30.gguf"

@@ -1,0 +1,90 @@
+"""A closed-loop load driver on the official `openai` client, for hosts where aiperf
+cannot be installed (the offline GPU machine): N users, each sending its next request as
+soon as the last one ends, every request a distinct prompt of about `isl` tokens and
+exactly `osl` generated tokens (`ignore_eos`). It reports the same figures as an aiperf
+cell, measured the same way (per-request decode rate = tokens after the first / time after
+the first token)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import statistics
+import time
+from typing import Any
+
+from openai import AsyncOpenAI
+
+from bench.aiperf_run import Cell
+
+WORDS = (  # noqa: SIM905
+    "river stone light morning garden window paper silver forest music winter harbor "
+    "lantern valley orchard thunder meadow candle bridge mountain ocean letter compass "
+    "shadow feather engine market castle island rocket planet signal station"
+).split()
+
+
+def prompt(rng: random.Random, isl: int) -> str:
+    """About `isl` tokens of random words (about one token per word on common vocabularies)."""
+    return " ".join(rng.choice(WORDS) for _ in range(isl))
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+async def _one(
+    c: AsyncOpenAI, model: str, text: str, osl: int, sampling: dict[str, Any]
+) -> tuple[float, list[float], int, float]:
+    """(ttft, chunk gaps, generated tokens, decode seconds) of one streamed request."""
+    t0 = time.monotonic()
+    stream = await c.completions.create(
+        model=model, prompt=text, max_tokens=osl, stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "cache_prompt": False, **sampling},
+    )  # fmt: skip
+    stamps: list[float] = []
+    n = 0
+    async for ch in stream:
+        if ch.choices and ch.choices[0].text:
+            stamps.append(time.monotonic())
+        if ch.usage is not None:
+            n = ch.usage.completion_tokens
+    gaps = [b - a for a, b in itertools.pairwise(stamps)]
+    return stamps[0] - t0, gaps, n, stamps[-1] - stamps[0]
+
+
+async def run_load(
+    base_url: str, *, model: str, concurrency: int, requests: int, isl: int, osl: int,
+    sampling: dict[str, Any], seed: int = 1,
+) -> Cell:  # fmt: skip
+    rng = random.Random(seed)
+    texts = [prompt(rng, isl) for _ in range(requests)]
+    results: list[tuple[float, list[float], int, float]] = []
+    async with AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=600) as c:
+        queue = list(reversed(texts))
+
+        async def user() -> None:
+            while queue:
+                results.append(await _one(c, model, queue.pop(), osl, sampling))
+
+        t0 = time.monotonic()
+        await asyncio.gather(*(user() for _ in range(concurrency)))
+        wall = time.monotonic() - t0
+    ttfts = [r[0] for r in results]
+    gaps = [g for r in results for g in r[1]]
+    rates = [(r[2] - 1) / r[3] for r in results if r[3] > 0]
+    total = sum(r[2] for r in results)
+    return Cell(
+        output_tok_s=total / wall,
+        per_user_tok_s=statistics.mean(rates),
+        slowest_user_tok_s=min(rates),
+        ttft_p50=1000 * _pct(ttfts, 0.5),
+        ttft_p99=1000 * _pct(ttfts, 0.99),
+        itl_p50=1000 * _pct(gaps, 0.5),
+        itl_p99=1000 * _pct(gaps, 0.99),
+        requests=len(results),
+        output_tokens=total,
+    )
