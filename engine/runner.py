@@ -65,17 +65,21 @@ class Engine:
         if n > self.n_batch:
             raise InvalidBatch(f"{n} tokens exceed n_batch={self.n_batch}")
         want: list[tuple[int, int]] = []  # (seq_id, batch index of its last token)
-        i = 0
-        for c in batch.chunks:
+        toks: list[int] = []
+        pos: list[int] = []
+        seqs: list[int] = []
+        for c in batch.chunks:  # plain lists, then one numpy copy per field
             k = len(c.tokens)
-            self._tok[i : i + k] = c.tokens
-            self._pos[i : i + k] = np.arange(c.pos0, c.pos0 + k, dtype=np.int32)
-            self._seq[i : i + k] = c.seq_id
-            self._out[i : i + k] = 0
+            toks += c.tokens
+            pos += range(c.pos0, c.pos0 + k)
+            seqs += [c.seq_id] * k
             if c.sample:
-                self._out[i + k - 1] = 1
-                want.append((c.seq_id, i + k - 1))
-            i += k
+                want.append((c.seq_id, len(toks) - 1))
+        self._tok[:n] = toks
+        self._pos[:n] = pos
+        self._seq[:n] = seqs
+        self._out[:n] = 0
+        self._out[[i for _, i in want]] = 1
         self._batch.n_tokens = n
         t0 = time.perf_counter()
         rc = self.ll.llama_decode(self.model.ctx, self._batch)

@@ -85,7 +85,9 @@ class Request:
         p = self.num_prompt
         if start + n <= p:
             return self.prompt_ids[start : start + n]
-        return (self.prompt_ids + self.output_ids)[start : start + n]
+        if start >= p:  # decoding: never copy the whole history per step
+            return self.output_ids[start - p : start - p + n]
+        return self.prompt_ids[start:] + self.output_ids[: start + n - p]
 
 
 @dataclass(slots=True)
