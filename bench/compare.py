@@ -327,8 +327,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--loadgen",
         choices=["aiperf", "openai"],
-        default="aiperf",
-        help="aiperf, or bench/loadgen.py where aiperf cannot be installed",
+        default="openai",
+        help="openai: bench/loadgen.py, one light process (the default: on a 2-core host "
+        "aiperf's own processes take a core and halve both servers' throughput); "
+        "aiperf: NVIDIA's load generator, in its own venv",
     )
     p.add_argument("--peer-bin", help="prebuilt llama-server and llama-batched-bench folder")
     p.add_argument("--quick", action="store_true", help="seconds: N=2, greedy, 1 repeat")
