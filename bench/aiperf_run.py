@@ -89,7 +89,11 @@ def run_aiperf(
     out_dir.mkdir(parents=True, exist_ok=True)
     with (out_dir / "aiperf.stdout").open("w") as f:
         subprocess.run(cmd, check=True, stdout=f, stderr=subprocess.STDOUT, cwd=out_dir)
-    d = json.loads((out_dir / "profile_export_aiperf.json").read_text())
+    return cell_from_aiperf(json.loads((out_dir / "profile_export_aiperf.json").read_text()))
+
+
+def cell_from_aiperf(d: dict[str, Any]) -> Cell:
+    """Our figures from aiperf's `profile_export_aiperf.json`."""
     if d.get("error_summary"):
         raise RuntimeError(f"aiperf saw errors: {d['error_summary']}")
     return Cell(

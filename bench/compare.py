@@ -123,7 +123,7 @@ class Results:
     cells: dict[str, list[Cell]] = field(default_factory=dict)  # "server|sampling|N"
     peak_rss_mib: dict[str, list[float]] = field(default_factory=dict)
     vram_mib: dict[str, list[float]] = field(default_factory=dict)
-    python_share: list[float] = field(default_factory=list)  # ours, per repeat
+    profile: dict[str, list[dict[str, float]]] = field(default_factory=dict)  # ours, by cell
     ceiling: dict[int, list[float]] = field(default_factory=dict)
 
     def add(self, server: str, sampling: str, n: int, cell: Cell) -> None:
@@ -136,15 +136,24 @@ class Results:
         return float(statistics.median(getattr(c, attr) for c in cells))
 
 
-def python_share(server: Server) -> float:
-    """Our own Python's share of step time so far, from /metrics histogram sums."""
-    sums = {}
+PHASES = ("schedule", "fill", "decode", "sample", "postprocess", "other")
+
+
+def step_counters(server: Server) -> dict[str, float]:
+    """Our step count and seconds by phase so far (from /metrics)."""
+    out = {}
     for line in httpx.get(server.url + "/metrics").text.splitlines():
-        for name in ("onegpu_step_python_seconds_sum", "onegpu_step_duration_seconds_sum"):
-            if line.startswith(name + " "):
-                sums[name] = float(line.split()[1])
-    total = sums.get("onegpu_step_duration_seconds_sum", 0.0)
-    return sums.get("onegpu_step_python_seconds_sum", 0.0) / total if total else 0.0
+        if line.startswith("onegpu_step_duration_seconds_count "):
+            out["steps"] = float(line.split()[1])
+        elif line.startswith('onegpu_step_phase_seconds_total{phase="'):
+            out[line.split('"')[1]] = float(line.split()[1])
+    return out
+
+
+def step_profile(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Milliseconds per step by phase between two readings."""
+    steps = after["steps"] - before.get("steps", 0.0)
+    return {p: 1000 * (after[p] - before.get(p, 0.0)) / steps for p in PHASES} if steps else {}
 
 
 def warm_up(server: Server, name: str) -> None:
@@ -191,6 +200,7 @@ def run(args: argparse.Namespace) -> tuple[Results, Setup]:
                     for ci, n in enumerate(conc):
                         log.info("rep %d %s %s N=%d", rep, who, sname, n)
                         seed = 1000 * rep + 100 * si + ci  # same prompts for both servers
+                        counters = step_counters(srv) if who == "ours" else {}
                         if aiperf is not None and tokenizer is not None:
                             cell = run_aiperf(
                                 aiperf,
@@ -219,12 +229,13 @@ def run(args: argparse.Namespace) -> tuple[Results, Setup]:
                                 )
                             )
                         res.add(who, sname, n, cell)
+                        if who == "ours":
+                            prof = step_profile(counters, step_counters(srv))
+                            res.profile.setdefault(f"{sname}|{n}", []).append(prof)
                 res.peak_rss_mib.setdefault(who, []).append(srv.peak_rss_mib())
                 vram = srv.vram_mib()
                 if vram is not None:
                     res.vram_mib.setdefault(who, []).append(vram)
-                if who == "ours":
-                    res.python_share.append(python_share(srv))
             finally:
                 srv.stop()
         ceiling = run_batched_bench(
@@ -307,8 +318,15 @@ def report(res: Results, args: argparse.Namespace) -> str:
             f"VRAM (MiB): ours {vr.get('ours', 0):.0f}, llama-server "
             f"{vr.get('llama-server', 0):.0f}"
         )
-    share = statistics.median(res.python_share) if res.python_share else 0.0
-    out.append(f"Our Python outside llama_decode: {100 * share:.1f}% of step time (all cells)")
+    out.append("\nOur step profile, ms per step (median over repeats); python = all but decode\n")
+    out.append("| sampling | N | " + " | ".join(PHASES) + " | python share |")
+    out.append("|---" * (len(PHASES) + 3) + "|")
+    for key, profs in res.profile.items():
+        med = {p: statistics.median(x[p] for x in profs) for p in PHASES}
+        total = sum(med.values())
+        share = (total - med["decode"]) / total if total else 0.0
+        cells = " | ".join(f"{med[p]:.2f}" for p in PHASES)
+        out.append(f"| {key.replace('|', ' | ')} | {cells} | {100 * share:.1f}% |")
     return "\n".join(out)
 
 

@@ -25,9 +25,10 @@ WORDS = (  # noqa: SIM905
 ).split()
 
 
-def prompt(rng: random.Random, isl: int) -> str:
-    """About `isl` tokens of random words (about one token per word on common vocabularies)."""
-    return " ".join(rng.choice(WORDS) for _ in range(isl))
+def prompt(rng: random.Random, isl: int) -> list[int]:
+    """Exactly `isl` random token ids (ids 1000-9999 exist in every real vocabulary), so
+    both servers see the same prompt length whatever the tokenizer."""
+    return [rng.randrange(1000, 10000) for _ in range(isl)]
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -36,7 +37,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 async def _one(
-    c: AsyncOpenAI, model: str, text: str, osl: int, sampling: dict[str, Any]
+    c: AsyncOpenAI, model: str, text: list[int], osl: int, sampling: dict[str, Any]
 ) -> tuple[float, list[float], int, float]:
     """(ttft, chunk gaps, generated tokens, decode seconds) of one streamed request."""
     t0 = time.monotonic()

@@ -1,0 +1,60 @@
+"""The benchmark harness cannot rot: a quick `bench.compare` runs both real servers, the
+real llama.cpp peers and the load driver end to end; the parsers read real outputs."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.aiperf_run import cell_from_aiperf
+from bench.batched_bench import parse
+
+DATA = Path(__file__).parent / "data"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_batched_bench_table_is_parsed_by_batch_size() -> None:
+    rows = parse((DATA / "batched_bench.txt").read_text())
+    assert sorted(rows) == [1, 4, 8, 16]
+    assert all(v > 0 for v in rows.values())
+    assert rows[16] > rows[1]  # batching raises the summed decode rate
+    with pytest.raises(RuntimeError):
+        parse("no table here")
+
+
+def test_aiperf_export_maps_to_a_cell() -> None:
+    d = json.loads((DATA / "aiperf_profile_export.json").read_text())
+    cell = cell_from_aiperf(d)
+    assert cell.output_tok_s == d["output_token_throughput"]["avg"]
+    assert cell.slowest_user_tok_s == d["output_token_throughput_per_user"]["min"]
+    assert cell.ttft_p99 == d["time_to_first_token"]["p99"]
+    assert cell.requests == int(d["request_count"]["avg"])
+    d["error_summary"] = [{"count": 3}]
+    with pytest.raises(RuntimeError, match="errors"):
+        cell_from_aiperf(d)
+
+
+@pytest.mark.e2e
+def test_quick_benchmark_compares_both_servers_and_the_ceiling() -> None:
+    """`python -m bench.compare --quick`: builds (once) and runs llama-server and
+    llama-batched-bench beside our server and prints the comparison table."""
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.compare", "--quick"],
+        cwd=ROOT, capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    row = re.search(r"^\| 2 \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|",
+                    out.stdout, re.M)  # fmt: skip
+    assert row, out.stdout
+    ours, theirs, ratio, ceiling, ours_vs_ceiling = map(float, row.groups())
+    assert ours > 0 and theirs > 0 and ceiling > 0
+    assert ratio == pytest.approx(ours / theirs, abs=0.011)
+    assert ours_vs_ceiling == pytest.approx(ours / ceiling, abs=0.011)
+    rss = re.search(r"Peak RSS \(MiB, median\): ours (\d+), llama-server (\d+)", out.stdout)
+    assert rss and int(rss.group(1)) > 100 and int(rss.group(2)) > 100
+    assert re.search(r"^\| greedy \| 2 \| ([\d.]+ \| ){6}[\d.]+% \|$", out.stdout, re.M), out.stdout
