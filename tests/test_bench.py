@@ -20,8 +20,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_batched_bench_table_is_parsed_by_batch_size() -> None:
     rows = parse((DATA / "batched_bench.txt").read_text())
-    assert sorted(rows) == [1, 4, 8, 16]
+    assert sorted(rows) == [1, 4, 8, 16, 32]
     assert all(v > 0 for v in rows.values())
+    assert rows[32] == 2358.13  # S_TG of the B=32 row
     assert rows[16] > rows[1]  # batching raises the summed decode rate
     with pytest.raises(RuntimeError):
         parse("no table here")
