@@ -14,7 +14,8 @@ import statistics
 import time
 from typing import Any
 
-from openai import AsyncOpenAI
+import httpx2
+from openai import AsyncOpenAI, DefaultAsyncHttpx2Client
 
 from bench.aiperf_run import Cell
 
@@ -64,7 +65,12 @@ async def run_load(
     rng = random.Random(seed)
     texts = [prompt(rng, isl) for _ in range(requests)]
     results: list[tuple[float, list[float], int, float]] = []
-    async with AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=600) as c:
+    # A new connection per request: llama-server closes kept-alive connections at times,
+    # and a request sent on a closing one fails (aiperf runs into the same).
+    http = DefaultAsyncHttpx2Client(limits=httpx2.Limits(max_keepalive_connections=0))
+    async with AsyncOpenAI(
+        base_url=base_url, api_key="none", max_retries=0, timeout=600, http_client=http
+    ) as c:
         queue = list(reversed(texts))
 
         async def user() -> None:
