@@ -54,6 +54,8 @@ def _state(settings: ServerSettings, model: Model, engine: Engine) -> ServerStat
             kv_capacity=model.n_ctx,
             max_num_batched_tokens=budget,
             max_waiting=settings.max_waiting,
+            max_stall_s=None if settings.max_stall_ms is None else settings.max_stall_ms / 1000,
+            min_prefill_chunk=settings.min_prefill_chunk,
         )
     )
     name = settings.served_model_name or Path(settings.engine.model_path).stem

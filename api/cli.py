@@ -24,6 +24,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--n-ubatch", type=int, default=512, help="physical batch of llama.cpp")
     s.add_argument("--max-num-batched-tokens", type=int, help="per-step token budget (<= n-batch)")
     s.add_argument("--max-model-len", type=int, help="per-request context limit")
+    s.add_argument(
+        "--max-stall-ms", type=float, default=250.0,
+        help="while others decode, size prompt chunks so a step stays under this (0 = off)",
+    )  # fmt: skip
+    s.add_argument("--min-prefill-chunk", type=int, default=32,
+                   help="prompt tokens a step grants at least (prefill progresses)")  # fmt: skip
     s.add_argument("--threads", type=int, default=0, help="decode threads (0 = all cores)")
     s.add_argument("--threads-batch", type=int, default=0, help="batch threads (0 = --threads)")
     s.add_argument("--flash-attn", choices=["auto", "on", "off"], default="auto")
@@ -76,6 +82,8 @@ def main(argv: list[str] | None = None) -> None:
         max_waiting=args.max_waiting,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
+        max_stall_ms=args.max_stall_ms or None,
+        min_prefill_chunk=args.min_prefill_chunk,
         api_key=args.api_key,
         drain_s=args.drain_seconds,
     )

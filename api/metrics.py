@@ -65,6 +65,21 @@ class Metrics:
         self.step_tokens = Histogram(
             "onegpu_step_tokens", "Tokens submitted per step", buckets=_TOKENS, registry=r
         )
+        self.step_prompt_tokens = Histogram(
+            "onegpu_step_prompt_tokens", "Prompt-chunk tokens per step (steps with any)",
+            buckets=_TOKENS, registry=r,
+        )  # fmt: skip
+        self.max_gap = Histogram(
+            "onegpu_request_max_token_gap_seconds",
+            "Per finished request, its longest gap between two tokens: the stall it saw",
+            buckets=_LATENCY, registry=r,
+        )  # fmt: skip
+        self.cost_model = Gauge(
+            "onegpu_cost_model_seconds",
+            "The scheduler's learned step-time model: decode_base_s + decode_per_token_s * D, "
+            "and per prompt token prompt_token_s + prompt_token_per_kv_cell_s * KV depth",
+            ["term"], registry=r,
+        )  # fmt: skip
         self.step_seqs = Histogram(
             "onegpu_step_sequences", "Sequences sharing one step", buckets=_SEQS, registry=r
         )
@@ -106,6 +121,10 @@ class Metrics:
             self.generated_tokens.inc(s.num_generated_tokens)
         if s.num_preempted:
             self.preemptions.inc(s.num_preempted)
+        if s.num_step_prompt_tokens:
+            self.step_prompt_tokens.observe(s.num_step_prompt_tokens)
+        for term, v in s.cost_model.items():
+            self.cost_model.labels(term=term).set(v)
         if s.num_step_tokens:
             self.step_tokens.observe(s.num_step_tokens)
             self.step_seqs.observe(s.num_step_seqs)
@@ -131,6 +150,8 @@ class Metrics:
         for f in s.finished:
             self.finished.labels(finish_reason=f.finish_reason).inc()
             self.e2e.observe(f.e2e_s)
+            if f.max_gap_s is not None:
+                self.max_gap.observe(f.max_gap_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -23,6 +23,8 @@ class ServerSettings:
     max_waiting: int = 256
     max_num_batched_tokens: int | None = None  # per step; None = the context's n_batch
     max_model_len: int | None = None  # per request; None = min(n_ctx, training context)
+    max_stall_ms: float | None = 250.0  # step-time target while others decode (None = off)
+    min_prefill_chunk: int = 32
     api_key: str | None = None
     drain_s: float = 30.0
 

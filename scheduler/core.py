@@ -11,6 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.step_types import Sampled, SeqChunk, SeqStart, StepBatch, StepResult
+from scheduler.budget import StepCostModel, StepTimeBudget
 from scheduler.kv import KVPool
 from scheduler.request import Request, RequestOutput, RequestStatus
 from scheduler.stats import FinishedStats, StepStats
@@ -28,6 +29,8 @@ class SchedulerConfig:
     max_waiting: int = 256  # queued requests beyond which add() refuses
     max_prefill_chunk: int | None = None  # cap on one prompt chunk (None = the step budget)
     kv_watermark: int = 0  # cells kept free when admitting, so decoders are not preempted
+    max_stall_s: float | None = None  # target step time while others decode (None = off)
+    min_prefill_chunk: int = 32  # prompt tokens a step always grants: prefill progresses
 
 
 @dataclass(slots=True)
@@ -37,6 +40,8 @@ class SchedulerOutput:
     batch: StepBatch
     reqs: list[Request] = field(default_factory=list)
     num_preempted: int = 0
+    num_decode: int = 0  # decode tokens in the batch
+    prompt_chunks: list[tuple[int, int]] = field(default_factory=list)  # (tokens, KV depth)
 
     @property
     def is_empty(self) -> bool:
@@ -50,6 +55,7 @@ class Scheduler:
             raise ValueError("max_num_batched_tokens must be >= 1")
         self.cfg = cfg
         self.pool = KVPool(cfg.kv_capacity, cfg.max_num_seqs)
+        self.cost = StepCostModel()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._by_id: dict[str, Request] = {}
@@ -93,11 +99,16 @@ class Scheduler:
             if ok:
                 plan[req.req_id] = (req, 1)
                 budget -= 1
-        budget = self.cfg.max_num_batched_tokens - sum(n for _, n in plan.values())
+        n_decode = len(plan)
+        budget = self.cfg.max_num_batched_tokens - n_decode
+        # Prompt chunks, oldest first (FCFS), sized to keep the step under the stall target.
+        timer = StepTimeBudget(
+            self.cost, self.cfg.max_stall_s, n_decode, self.cfg.min_prefill_chunk
+        )
         for req in [r for r in self.running if not r.is_decoding and r.req_id not in plan]:
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(req.num_uncomputed, budget, self._chunk_cap())
+            n = timer.grant(min(req.num_uncomputed, budget, self._chunk_cap()), req.num_computed)
             if n < 1:
                 break
             ok, n_pre = self._reserve(req, n, plan)
@@ -113,8 +124,8 @@ class Scheduler:
         can_admit = preempted == 0 and not self._kv_backoff
         while can_admit and self.waiting and budget > 0 and self.pool.num_free_seqs > 0:
             req = self.waiting[0]
-            n = min(req.num_uncomputed, budget, self._chunk_cap())
-            if self.pool.free - n < self.cfg.kv_watermark or n > self.pool.free:
+            n = timer.grant(min(req.num_uncomputed, budget, self._chunk_cap()), req.num_computed)
+            if n < 1 or self.pool.free - n < self.cfg.kv_watermark or n > self.pool.free:
                 break
             self.waiting.popleft()
             req.seq_id = self.pool.open()
@@ -127,7 +138,9 @@ class Scheduler:
             plan[req.req_id] = (req, n)
             budget -= n
 
-        out = SchedulerOutput(StepBatch([], starts, self._released), num_preempted=preempted)
+        out = SchedulerOutput(
+            StepBatch([], starts, self._released), num_preempted=preempted, num_decode=n_decode
+        )
         self._released = []
         for req, n in plan.values():
             assert req.seq_id is not None
@@ -135,6 +148,8 @@ class Scheduler:
             chunk = SeqChunk(req.seq_id, req.tokens_from(pos0, n), pos0, pos0 + n == req.num_tokens)
             out.batch.chunks.append(chunk)
             out.reqs.append(req)
+            if not (n == 1 and req.output_ids and pos0 + 1 == req.num_tokens):
+                out.prompt_chunks.append((n, pos0))
         assert out.batch.num_tokens <= self.cfg.max_num_batched_tokens, "step over budget"
         self.pool.sanity_checks()
         return out
@@ -212,6 +227,7 @@ class Scheduler:
                 num_prompt_tokens=req.num_prompt,
                 num_output_tokens=len(req.output_ids),
                 e2e_s=now - req.arrival_time,
+                max_gap_s=req.max_gap_s if len(req.output_ids) > 1 else None,
                 queue_s=None if started is None else started - req.arrival_time,
             )
         )
@@ -221,8 +237,12 @@ class Scheduler:
         self, out: SchedulerOutput, result: StepResult, now: float
     ) -> tuple[list[RequestOutput], StepStats]:
         """The one loop over a step's outputs: advance, append, detokenize, stop, finish."""
+        engine_s = result.fill_s + result.decode_s + result.sample_s
+        self.cost.observe(out.num_decode, out.prompt_chunks, engine_s)
         stats = StepStats(
             num_step_tokens=out.batch.num_tokens,
+            num_step_prompt_tokens=sum(n for n, _ in out.prompt_chunks),
+            cost_model=self.cost.estimate(),
             num_step_seqs=len(out.batch.chunks),
             num_preempted=out.num_preempted,
             fill_s=result.fill_s,
@@ -259,7 +279,9 @@ class Scheduler:
                 stats.queue_s.append(req.first_scheduled_time - req.arrival_time)
             stats.num_prompt_tokens += req.num_prompt
         elif req.last_token_time is not None:
-            stats.itl_s.append(now - req.last_token_time)
+            gap = now - req.last_token_time
+            stats.itl_s.append(gap)
+            req.max_gap_s = max(req.max_gap_s, gap)
         req.last_token_time = now
 
         status: RequestStatus | None = None

@@ -63,6 +63,7 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    max_gap_s: float = 0.0  # longest wait between two of its tokens (the stall it saw)
 
     @property
     def num_prompt(self) -> int:

@@ -12,6 +12,7 @@ class FinishedStats:
     num_output_tokens: int
     e2e_s: float
     queue_s: float | None  # None when it never got scheduled
+    max_gap_s: float | None = None  # longest gap between two of its tokens
 
 
 @dataclass(slots=True)
@@ -24,6 +25,7 @@ class StepStats:
     kv_capacity: int = 0
     num_step_tokens: int = 0
     num_step_seqs: int = 0
+    num_step_prompt_tokens: int = 0  # prompt-chunk tokens in this step
     num_prompt_tokens: int = 0  # prompt tokens whose prefill completed in this step
     num_generated_tokens: int = 0
     num_preempted: int = 0
@@ -37,3 +39,4 @@ class StepStats:
     queue_s: list[float] = field(default_factory=list)
     itl_s: list[float] = field(default_factory=list)
     finished: list[FinishedStats] = field(default_factory=list)
+    cost_model: dict[str, float] = field(default_factory=dict)  # the scheduler's estimates

@@ -1,0 +1,144 @@
+"""How many prompt tokens fit in a step without stalling the decoding users too long.
+
+A step's time is modelled as
+
+    t(D, P, d) = t_dec(D) + P * (c0 + c1 * (d + P / 2))
+
+for D decode tokens and a P-token prompt chunk whose KV depth starts at d: attention makes
+each prompt token cost more the more context it attends to, so the per-token cost grows
+linearly with the chunk's mean depth. `t_dec` (a + b * D) is fitted on decode-only steps,
+(c0, c1) on steps that carried a prompt chunk — both by exponentially weighted least
+squares, so the model follows the machine as it warms up or gets busy. Until a term has
+data, the chunk falls back to the minimum (measured, then grown) rather than a guess.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass
+class _Line:
+    """Weighted least squares for y = k0 + k1 * x, with exponential forgetting."""
+
+    decay: float = 0.98
+    n: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        g = self.decay
+        self.n = self.n * g + 1.0
+        self.sx = self.sx * g + x
+        self.sy = self.sy * g + y
+        self.sxx = self.sxx * g + x * x
+        self.sxy = self.sxy * g + x * y
+
+    @property
+    def ready(self) -> bool:
+        return self.n >= 1.0
+
+    def fit(self) -> tuple[float, float]:
+        """(k0, k1); a flat line through the mean while x has not varied enough."""
+        mx, my = self.sx / self.n, self.sy / self.n
+        var = self.sxx / self.n - mx * mx
+        if var <= 1e-9 * max(1.0, mx * mx):
+            return my, 0.0
+        k1 = max(0.0, (self.sxy / self.n - mx * my) / var)
+        return max(0.0, my - k1 * mx), k1
+
+
+class StepCostModel:
+    """The learned step-time model."""
+
+    def __init__(self) -> None:
+        self._dec = _Line()  # x = decode tokens, y = seconds
+        self._tok = _Line()  # x = mean KV depth of the chunk, y = seconds per prompt token
+        self.max_seen_chunk = 0
+
+    @property
+    def knows_prompts(self) -> bool:
+        return self._tok.ready
+
+    def decode_time(self, n_decode: int) -> float:
+        if not self._dec.ready:
+            return 0.0
+        a, b = self._dec.fit()
+        return a + b * n_decode
+
+    def chunk_time(self, n: int, depth: int) -> float:
+        """Modelled seconds for an n-token prompt chunk starting at KV depth `depth`."""
+        c0, c1 = self._tok.fit()
+        return n * (c0 + c1 * (depth + n / 2))
+
+    def tokens_within(self, room_s: float, depth: int, cap: int) -> int:
+        """Largest chunk from `depth` whose modelled time fits in `room_s` (at most `cap`,
+        and at most 4x the largest chunk measured: beyond that the model extrapolates)."""
+        if room_s <= 0:
+            return 0
+        c0, c1 = self._tok.fit()
+        lin = c0 + c1 * depth  # c1/2 * n^2 + lin * n <= room
+        if c1 > 0:
+            n = (-lin + math.sqrt(lin * lin + 2 * c1 * room_s)) / c1
+        else:
+            n = room_s / lin if lin > 0 else float(cap)
+        return max(0, min(cap, 4 * max(self.max_seen_chunk, 1), int(n)))
+
+    def observe(self, n_decode: int, chunks: list[tuple[int, int]], seconds: float) -> None:
+        """One step: its decode tokens, its prompt chunks as (tokens, start depth), its time."""
+        n_prompt = sum(n for n, _ in chunks)
+        if n_prompt == 0:
+            if n_decode:
+                self._dec.add(n_decode, seconds)
+            return
+        rest = max(seconds - self.decode_time(n_decode), 0.0)
+        depth = sum(n * (d + n / 2) for n, d in chunks) / n_prompt
+        self._tok.add(depth, rest / n_prompt)
+        self.max_seen_chunk = max(self.max_seen_chunk, n_prompt)
+
+    def estimate(self) -> dict[str, float]:
+        """The model's current figures (for /metrics)."""
+        out: dict[str, float] = {}
+        if self._dec.ready:
+            out["decode_base_s"], out["decode_per_token_s"] = self._dec.fit()
+        if self._tok.ready:
+            out["prompt_token_s"], out["prompt_token_per_kv_cell_s"] = self._tok.fit()
+        return out
+
+
+class StepTimeBudget:
+    """The time left for prompt chunks in the step being planned.
+
+    Unbounded when nobody decodes (prompts then use full batches) or no target is set.
+    The first chunk granted gets at least `min_chunk` tokens, so prefill always progresses
+    — also before the model has seen any prompt (it measures that chunk, then grows).
+    Chunks are sized to 90% of the target: the model lags a machine that changes, and the
+    step's own Python and jitter come on top.
+    """
+
+    HEADROOM = 0.9
+
+    def __init__(
+        self, model: StepCostModel, max_stall_s: float | None, n_decode: int, min_chunk: int
+    ) -> None:
+        self.model = model
+        self.bounded = max_stall_s is not None and n_decode > 0
+        self.left = (max_stall_s or 0.0) * self.HEADROOM - model.decode_time(n_decode)
+        self.min_chunk = min_chunk
+        self._granted = False
+
+    def grant(self, n_max: int, depth: int) -> int:
+        """Tokens (at most `n_max`) a prompt at KV depth `depth` may prefill in this step."""
+        if not self.bounded:
+            return n_max
+        floor = 0 if self._granted else min(self.min_chunk, n_max)
+        n = self.model.tokens_within(self.left, depth, n_max) if self.model.knows_prompts else 0
+        n = max(n, floor)
+        if n:
+            self._granted = True
+            if self.model.knows_prompts:
+                self.left -= self.model.chunk_time(n, depth)
+        return n

@@ -1,0 +1,98 @@
+"""Time-bounded chunked prefill: the cost model learns step times, and the scheduler sizes
+prompt chunks so that steps with decoding users stay under the stall target."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.step_types import StepBatch, StepResult
+from scheduler.budget import StepCostModel, StepTimeBudget
+from scheduler.core import Scheduler, SchedulerConfig
+from tests.fake_engine import FakeEngine, make_request
+
+
+def true_step_time(batch: StepBatch) -> float:
+    """A machine whose steps cost 8 ms + 1 ms per decode token, and 0.9 ms per prompt token
+    plus 20 ns per KV cell it attends to (the H200 chunk-cost shape, scaled)."""
+    t = 0.008
+    for c in batch.chunks:
+        n = len(c.tokens)
+        if c.seq_id < 4:  # the decoders of `run_scenario` (their prompts are tiny)
+            t += 0.001 * n
+        else:
+            t += n * (0.0009 + 2e-8 * (c.pos0 + n / 2))
+    return t
+
+
+def test_cost_model_recovers_a_linear_machine() -> None:
+    m = StepCostModel()
+    rng = random.Random(0)
+    for _ in range(200):
+        d = rng.randint(1, 8)
+        m.observe(d, [], 0.008 + 0.001 * d)
+        n, depth = rng.randint(32, 2048), rng.randint(0, 60000)
+        m.observe(d, [(n, depth)], 0.008 + 0.001 * d + n * (0.0009 + 2e-8 * (depth + n / 2)))
+    assert m.decode_time(4) == pytest.approx(0.012, rel=1e-3)
+    est = m.estimate()
+    assert est["prompt_token_s"] == pytest.approx(0.0009, rel=0.02)
+    assert est["prompt_token_per_kv_cell_s"] == pytest.approx(2e-8, rel=0.05)
+    # the largest chunk under 250 ms at depth 60K, checked against the true cost
+    n = m.tokens_within(0.25 - m.decode_time(4), 60000, cap=8192)
+    assert 0.008 + 0.004 + n * (0.0009 + 2e-8 * (60000 + n / 2)) <= 0.25
+    assert 0.008 + 0.004 + (n + 8) * (0.0009 + 2e-8 * (60000 + (n + 8) / 2)) > 0.25
+
+
+def test_budget_grants_a_minimum_chunk_before_it_knows_anything() -> None:
+    b = StepTimeBudget(StepCostModel(), max_stall_s=0.25, n_decode=4, min_chunk=32)
+    assert b.grant(5000, 0) == 32  # measured first
+    assert b.grant(5000, 0) == 0  # a second prompt waits until the model knows prompts
+    free = StepTimeBudget(StepCostModel(), max_stall_s=0.25, n_decode=0, min_chunk=32)
+    assert free.grant(2048, 0) == 2048  # nobody decodes: full batches
+
+
+def run_scenario(max_stall_s: float | None) -> tuple[list[float], list[int], int]:
+    """4 users decode while a 20,000-token prompt arrives; return the time of every step that
+    carried a decoder, the prompt tokens of each step, and steps until the prompt's first token."""
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=8, kv_capacity=40000, max_num_batched_tokens=2048,
+                        max_stall_s=max_stall_s, min_prefill_chunk=32)
+    )  # fmt: skip
+    fake = FakeEngine()
+    fake.n_batch = 2048
+    now = 0.0
+    for i in range(4):
+        sched.add(make_request(f"d{i}", [5 + i] * 16, 10_000, arrival=now))
+    long = make_request("long", [7] * 20_000, 1, arrival=now)
+    times: list[float] = []
+    prompt_tokens: list[int] = []
+    steps_to_first = -1
+    for step in range(2000):
+        if step == 20:
+            sched.add(long)
+        out = sched.schedule(now)
+        res: StepResult = fake.step(out.batch)
+        res.decode_s = true_step_time(out.batch)
+        now += res.decode_s
+        outputs, _ = sched.postprocess(out, res, now)
+        if out.num_decode:
+            times.append(res.decode_s)
+        if step >= 20:
+            prompt_tokens.append(sum(n for n, _ in out.prompt_chunks))
+        if any(o.req_id == "long" for o in outputs):
+            steps_to_first = step - 20
+            break
+    return times, prompt_tokens, steps_to_first
+
+
+def test_chunks_keep_decode_steps_under_the_target_and_prefill_progresses() -> None:
+    times, prompt_tokens, steps = run_scenario(0.25)
+    assert steps > 0, "the long prompt finished its prefill"
+    assert max(times) <= 0.25, f"a step with decoders took {max(times):.3f}s"
+    assert all(n >= 32 for n in prompt_tokens[:steps]), "every step progressed the prompt"
+    # and it is not timid: most steps use most of the target
+    assert sorted(times)[len(times) // 2] > 0.15 or sum(prompt_tokens) < 20_000
+    unbounded, _, steps_unbounded = run_scenario(None)
+    assert max(unbounded) > 0.25  # without the target, 2,048-token chunks stall decoders
+    assert steps_unbounded < steps
