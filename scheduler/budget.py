@@ -76,7 +76,7 @@ class StepCostModel:
 
     def tokens_within(self, room_s: float, depth: int, cap: int) -> int:
         """Largest chunk from `depth` whose modelled time fits in `room_s` (at most `cap`,
-        and at most 4x the largest chunk measured: beyond that the model extrapolates)."""
+        and at most twice the largest chunk measured: beyond that the model extrapolates)."""
         if room_s <= 0:
             return 0
         c0, c1 = self._tok.fit()
@@ -85,7 +85,7 @@ class StepCostModel:
             n = (-lin + math.sqrt(lin * lin + 2 * c1 * room_s)) / c1
         else:
             n = room_s / lin if lin > 0 else float(cap)
-        return max(0, min(cap, 4 * max(self.max_seen_chunk, 1), int(n)))
+        return max(0, min(cap, 2 * max(self.max_seen_chunk, 1), int(n)))
 
     def observe(self, n_decode: int, chunks: list[tuple[int, int]], seconds: float) -> None:
         """One step: its decode tokens, its prompt chunks as (tokens, start depth), its time."""
@@ -115,11 +115,11 @@ class StepTimeBudget:
     Unbounded when nobody decodes (prompts then use full batches) or no target is set.
     The first chunk granted gets at least `min_chunk` tokens, so prefill always progresses
     — also before the model has seen any prompt (it measures that chunk, then grows).
-    Chunks are sized to 90% of the target: the model lags a machine that changes, and the
+    Chunks are sized to 85% of the target: the model lags a machine that changes, and the
     step's own Python and jitter come on top.
     """
 
-    HEADROOM = 0.9
+    HEADROOM = 0.85
 
     def __init__(
         self, model: StepCostModel, max_stall_s: float | None, n_decode: int, min_chunk: int
