@@ -25,7 +25,7 @@ else
 endif
 STAMP := $(VENV)/.installed-$(GPU)
 
-.PHONY: install serve test check bench model clean
+.PHONY: install serve test check bench bench-stall model clean
 
 install: $(STAMP)
 
@@ -54,6 +54,9 @@ check: $(STAMP)
 
 bench: $(STAMP) model
 	$(PY) -m bench.compare $(BENCH_ARGS)
+
+bench-stall: $(STAMP) model
+	$(PY) -m bench.stall $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
