@@ -96,3 +96,34 @@ def test_chunks_keep_decode_steps_under_the_target_and_prefill_progresses() -> N
     unbounded, _, steps_unbounded = run_scenario(None)
     assert max(unbounded) > 0.25  # without the target, 2,048-token chunks stall decoders
     assert steps_unbounded < steps
+
+
+def test_two_long_prompts_go_first_come_first_served_and_both_finish() -> None:
+    """FCFS: the older prompt takes the step's prompt time first (and always its minimum
+    chunk); the younger one gets what is left, then all of it. Nobody starves."""
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=8, kv_capacity=40000, max_num_batched_tokens=2048,
+                        max_stall_s=0.25, min_prefill_chunk=32)
+    )  # fmt: skip
+    fake = FakeEngine()
+    fake.n_batch = 2048
+    now = 0.0
+    for i in range(4):
+        sched.add(make_request(f"d{i}", [5 + i] * 16, 10_000))
+    first_token: dict[str, int] = {}
+    for step in range(3000):
+        if step == 10:
+            sched.add(make_request("old", [7] * 8000, 1, arrival=now))
+            sched.add(make_request("young", [8] * 8000, 1, arrival=now + 0.001))
+        out = sched.schedule(now)
+        res = fake.step(out.batch)
+        res.decode_s = true_step_time(out.batch)
+        now += res.decode_s
+        outputs, _ = sched.postprocess(out, res, now)
+        if out.num_decode:
+            assert res.decode_s <= 0.25
+        for o in outputs:
+            first_token.setdefault(o.req_id, step)
+        if "old" in first_token and "young" in first_token:
+            break
+    assert first_token["old"] < first_token["young"] < 3000
