@@ -53,6 +53,7 @@ class Setup:
     n_parallel: int
     threads: int
     gpu: bool
+    ours_extra: list[str] = field(default_factory=list)
     n_batch: int = 2048
     n_ubatch: int = 512
 
@@ -79,6 +80,7 @@ class Setup:
                 "-1" if self.gpu else "0",
                 "--log-level",
                 "warning",
+                *self.ours_extra,
             ],
             log_path,
         )
@@ -181,6 +183,7 @@ def run(args: argparse.Namespace) -> tuple[Results, Setup]:
         n_parallel=max(conc),
         threads=args.threads or (os.cpu_count() or 1),
         gpu=gpu,
+        ours_extra=args.ours_args.split(),
     )
     run_dir = cache / "runs" / time.strftime("%Y%m%d-%H%M%S")
     res = Results()
@@ -351,6 +354,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "aiperf: NVIDIA's load generator, in its own venv",
     )
     p.add_argument("--peer-bin", help="prebuilt llama-server and llama-batched-bench folder")
+    p.add_argument("--ours-args", default="", help="extra `one-gpu serve` options, quoted")
     p.add_argument("--quick", action="store_true", help="seconds: N=2, greedy, 1 repeat")
     args = p.parse_args(argv)
     if args.quick:
