@@ -196,15 +196,20 @@ def test_stop_string_is_cut_even_across_tokens(server: Server) -> None:
         assert stop not in got
 
 
-def test_n_choices_and_seed(server: Server) -> None:
+def test_n_choices(server: Server) -> None:
+    """n choices come back with indices 0..n-1 and usage summed over them. (Same-seed runs
+    are not compared: llama.cpp's numerics follow the batch and KV-cell layout, so equal
+    seeds reproduce only under equal conditions — the reproducible lane is issue 5.)"""
     c = client(server)
     kw: dict[str, Any] = dict(model=MODEL, messages=CHAT, max_tokens=10, temperature=0.9, seed=7)
     a = c.chat.completions.create(n=3, **kw)
-    b = c.chat.completions.create(n=3, **kw)
     assert [ch.index for ch in a.choices] == [0, 1, 2]
-    assert [ch.message.content for ch in a.choices] == [ch.message.content for ch in b.choices]
+    assert all(ch.finish_reason in ("stop", "length") for ch in a.choices)
     assert a.usage is not None
-    assert a.usage.completion_tokens <= 30
+    assert 3 <= a.usage.completion_tokens <= 30
+    streamed = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, n=2,
+                                    temperature=0.9, stream=False)  # fmt: skip
+    assert sorted(ch.index for ch in streamed.choices) == [0, 1]
 
 
 async def _chat_stream(c: AsyncOpenAI, max_tokens: int, content: str = PROMPT) -> Any:
