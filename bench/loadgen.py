@@ -1,6 +1,6 @@
 """A closed-loop load driver on the official `openai` client, for hosts where aiperf
 cannot be installed (the offline GPU machine): N users, each sending its next request as
-soon as the last one ends, every request a distinct prompt of about `isl` tokens and
+soon as the last one ends, every request a distinct prompt of exactly `isl` token ids and
 exactly `osl` generated tokens (`ignore_eos`). It reports the same figures as an aiperf
 cell, measured the same way (per-request decode rate = tokens after the first / time after
 the first token)."""
@@ -19,12 +19,6 @@ from openai import AsyncOpenAI, DefaultAsyncHttpx2Client
 
 from bench.aiperf_run import Cell
 
-WORDS = (  # noqa: SIM905
-    "river stone light morning garden window paper silver forest music winter harbor "
-    "lantern valley orchard thunder meadow candle bridge mountain ocean letter compass "
-    "shadow feather engine market castle island rocket planet signal station"
-).split()
-
 
 def prompt(rng: random.Random, isl: int) -> list[int]:
     """Exactly `isl` random token ids (ids 1000-9999 exist in every real vocabulary), so
@@ -38,12 +32,12 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 async def _one(
-    c: AsyncOpenAI, model: str, text: list[int], osl: int, sampling: dict[str, Any]
+    c: AsyncOpenAI, model: str, prompt_ids: list[int], osl: int, sampling: dict[str, Any]
 ) -> tuple[float, list[float], int, float]:
     """(ttft, chunk gaps, generated tokens, decode seconds) of one streamed request."""
     t0 = time.monotonic()
     stream = await c.completions.create(
-        model=model, prompt=text, max_tokens=osl, stream=True,
+        model=model, prompt=prompt_ids, max_tokens=osl, stream=True,
         stream_options={"include_usage": True},
         extra_body={"ignore_eos": True, "cache_prompt": False, **sampling},
     )  # fmt: skip
@@ -63,7 +57,7 @@ async def run_load(
     sampling: dict[str, Any], seed: int = 1,
 ) -> Cell:  # fmt: skip
     rng = random.Random(seed)
-    texts = [prompt(rng, isl) for _ in range(requests)]
+    prompts = [prompt(rng, isl) for _ in range(requests)]
     results: list[tuple[float, list[float], int, float]] = []
     # A new connection per request: llama-server closes kept-alive connections at times,
     # and a request sent on a closing one fails (aiperf runs into the same).
@@ -71,7 +65,7 @@ async def run_load(
     async with AsyncOpenAI(
         base_url=base_url, api_key="none", max_retries=0, timeout=600, http_client=http
     ) as c:
-        queue = list(reversed(texts))
+        queue = list(reversed(prompts))
 
         async def user() -> None:
             while queue:
