@@ -486,3 +486,34 @@ def test_penalties_and_extra_samplers_change_greedy_output(server: Server) -> No
         temperature=0.7, seed=3, extra_body={"top_k": 20, "min_p": 0.05}, **kw
     )
     assert sampled.choices[0].text
+
+
+def test_disconnect_during_a_long_prefill_stops_it_and_frees_its_kv(server: Server) -> None:
+    """The prefill of a client that left stops at the next step (within one chunk): its KV
+    is freed and the rest of its prompt is never computed."""
+    long_prompt = "Pack my box with five dozen liquor jugs. " * 500  # ~5,000 tokens
+    before = metrics(server)
+
+    async def run(c: AsyncOpenAI) -> None:
+        stream = await c.completions.create(
+            model=MODEL, prompt=long_prompt, max_tokens=4, stream=True
+        )
+
+        def prefilling() -> bool:
+            m = metrics(server)
+            return m["onegpu_step_prompt_tokens_count"] > before["onegpu_step_prompt_tokens_count"]
+
+        assert await asyncio.to_thread(wait_for, prefilling, 30.0)
+        await stream.close()
+
+    arun(server, run)
+
+    def idle() -> bool:
+        m = metrics(server)
+        return m["onegpu_requests_running"] == 0 and m["onegpu_kv_cache_used_cells"] == 0
+
+    assert wait_for(idle, 3.0), metrics(server)  # one 512-token chunk on 2 cores: ~1 s
+    after = metrics(server)
+    computed = after["onegpu_step_prompt_tokens_sum"] - before["onegpu_step_prompt_tokens_sum"]
+    assert 0 < computed < 4000, "the prefill stopped long before the prompt's end"
+    assert after["onegpu_prompt_tokens_total"] == before["onegpu_prompt_tokens_total"]
