@@ -19,9 +19,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
-import httpx
-
 from bench.aiperf_run import Cell
+from bench.compare import warm_up
 from bench.loadgen import run_load
 from bench.server_proc import start_server
 
@@ -73,8 +72,7 @@ def main() -> None:
             ["--served-model-name", args.model, *args.server_args.split()], logdir / "server.log"
         )
         try:
-            body = {"model": args.model, "prompt": "warm-up", "max_tokens": 4}
-            httpx.post(srv.base_url + "/completions", json=body, timeout=120).raise_for_status()
+            warm_up(srv, args.model)
             runs = asyncio.run(bench(args, srv.base_url))
         finally:
             srv.stop()

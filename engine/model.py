@@ -126,11 +126,6 @@ class Model:
         ptr = self.ll.llama_model_chat_template(self.model, None)
         return ptr.decode("utf-8") if ptr else None
 
-    def meta(self, key: str) -> str | None:
-        buf = ctypes.create_string_buffer(1024)
-        n = self.ll.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
-        return buf.value.decode("utf-8", "replace") if n >= 0 else None
-
     # ---- KV ---------------------------------------------------------------------------
     def seq_rm(self, seq_id: int) -> None:
         """Drop every KV cell of a sequence."""

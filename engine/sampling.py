@@ -96,19 +96,19 @@ class SamplerBank:
             return {}
         ptr = self.ll.llama_get_logits(self.ctx)
         rows = np.ctypeslib.as_array(ptr, shape=(len(want), self.n_vocab))  # [N, V]
-        greedy = [j for j, (seq_id, _) in enumerate(want) if seq_id not in self._chains]
-        tokens = [0] * len(want)
-        if greedy:
-            picks = rows[greedy].argmax(axis=1) if len(greedy) < len(want) else rows.argmax(axis=1)
-            for j, tok in zip(greedy, picks.tolist(), strict=True):
+        chained = [j for j, (seq_id, _) in enumerate(want) if seq_id in self._chains]
+        if not chained:  # all greedy: one argmax over [N, V]
+            tokens: list[int] = rows.argmax(axis=1).tolist()
+        else:  # per-row argmax on views: fancy-indexing the greedy rows would copy them
+            tokens = [0 if s in self._chains else int(rows[j].argmax())
+                      for j, (s, _) in enumerate(want)]  # fmt: skip
+            jobs = [(self._chains[want[j][0]], want[j][1]) for j in chained]
+            if self._pool is not None and len(jobs) > 1:
+                picks = list(self._pool.map(self._sample_chain, jobs))
+            else:
+                picks = [self._sample_chain(job) for job in jobs]
+            for j, tok in zip(chained, picks, strict=True):
                 tokens[j] = tok
-        chained = [(j, self._chains[s], i) for j, (s, i) in enumerate(want) if s in self._chains]
-        if self._pool is not None and len(chained) > 1:
-            picks = list(self._pool.map(self._sample_chain, chained))
-        else:
-            picks = [self._sample_chain(c) for c in chained]
-        for (j, _, _), tok in zip(chained, picks, strict=True):
-            tokens[j] = tok
         out: dict[int, Sampled] = {}
         for j, (seq_id, _) in enumerate(want):
             p = self._params[seq_id]
@@ -119,8 +119,8 @@ class SamplerBank:
             )
         return out
 
-    def _sample_chain(self, job: tuple[int, Any, int]) -> int:
-        _, chain, batch_idx = job
+    def _sample_chain(self, job: tuple[Any, int]) -> int:
+        chain, batch_idx = job
         return int(self.ll.llama_sampler_sample(chain, self.ctx, batch_idx))
 
 
