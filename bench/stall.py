@@ -25,11 +25,13 @@ import httpx
 import httpx2
 from openai import AsyncOpenAI, DefaultAsyncHttpx2Client
 
+from bench.loadgen import prompt
 from bench.peers import ensure_peers
 from bench.server_proc import Server, free_port, start_process, start_server
 
 log = logging.getLogger("bench.stall")
 NAME = "bench-model"
+DECODER_TOKENS = 4000  # each decoder's budget; the context holds 4,096 a decoder
 
 
 @dataclass
@@ -39,10 +41,6 @@ class StallResult:
     ttft_s: float  # the long prompt's time to first token, decoders running
     ttft_idle_s: float  # the same prompt length on the idle server
     decoder_tokens: int  # tokens the decoders received in the window
-
-
-def _ids(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(1000, 10000) for _ in range(n)]
 
 
 def _first_token_s(base_url: str, prompt: list[int]) -> float:
@@ -67,7 +65,7 @@ async def scenario(base_url: str, n_decoders: int, prompt_tokens: int, seed: int
     async with AsyncOpenAI(
         base_url=base_url, api_key="none", max_retries=0, timeout=3600, http_client=http
     ) as c:
-        ttft_idle = await asyncio.to_thread(_first_token_s, base_url, _ids(rng, prompt_tokens))
+        ttft_idle = await asyncio.to_thread(_first_token_s, base_url, prompt(rng, prompt_tokens))
         stamps: list[list[float]] = [[] for _ in range(n_decoders)]
         warm = asyncio.Event()
         done = asyncio.Event()
@@ -75,8 +73,8 @@ async def scenario(base_url: str, n_decoders: int, prompt_tokens: int, seed: int
         async def decoder(i: int) -> None:
             stream = await c.completions.create(
                 model=NAME,
-                prompt=_ids(rng, 32),
-                max_tokens=20000,
+                prompt=prompt(rng, 32),
+                max_tokens=DECODER_TOKENS,
                 stream=True,
                 temperature=0,
                 extra_body={"ignore_eos": True, "cache_prompt": False},
@@ -91,8 +89,12 @@ async def scenario(base_url: str, n_decoders: int, prompt_tokens: int, seed: int
             await stream.close()
 
         tasks = [asyncio.create_task(decoder(i)) for i in range(n_decoders)]
-        await warm.wait()
-        long_prompt = _ids(rng, prompt_tokens)
+        warmed = asyncio.create_task(warm.wait())
+        await asyncio.wait({warmed, *tasks}, return_when=asyncio.FIRST_COMPLETED)
+        for t in tasks:
+            if t.done():
+                t.result()  # a decoder that failed (or ended) before the warm-up: say why
+        long_prompt = prompt(rng, prompt_tokens)
         t_send = time.monotonic()
         ttft = await asyncio.to_thread(_first_token_s, base_url, long_prompt)
         t_first = t_send + ttft
@@ -138,7 +140,7 @@ def main() -> None:
         from engine.default_model import default_model_path
 
         model = Path(default_model_path())
-    n_ctx = args.prompt_tokens + args.decoders * 4096 + 1024
+    n_ctx = args.prompt_tokens + args.decoders * (DECODER_TOKENS + 96) + 1024
     logdir = Path(tempfile.mkdtemp(prefix="onegpu-stall-"))
     ours_args = [
         "--model",
