@@ -25,7 +25,7 @@ else
 endif
 STAMP := $(VENV)/.installed-$(GPU)
 
-.PHONY: install serve test check bench bench-stall model clean
+.PHONY: install serve test check bench bench-stall bench-repro model clean
 
 install: $(STAMP)
 
@@ -57,6 +57,9 @@ bench: $(STAMP) model
 
 bench-stall: $(STAMP) model
 	$(PY) -m bench.stall $(BENCH_ARGS)
+
+bench-repro: $(STAMP) model
+	$(PY) -m bench.repro $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

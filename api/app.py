@@ -26,6 +26,7 @@ from api.errors import (
     error_response,
     handle_api_error,
 )
+from api.lanes import FAST, REPRODUCIBLE, fingerprints
 from api.metrics import CONTENT_TYPE, Metrics
 from api.openai_routes import chat_completions, completions, list_models
 from api.state import ServerSettings, ServerState, server_state
@@ -38,12 +39,23 @@ from scheduler.loop import EngineLoop
 log = logging.getLogger(__name__)
 
 
-def _load(settings: ServerSettings) -> tuple[Model, Engine]:
+def _load(settings: ServerSettings) -> tuple[Model, list[Engine]]:
+    """The model, the fast lane's engine and, when configured, the reproducible lane's:
+    its own context, one KV stream per slot (`kv_unified=false`), every sequence decoded
+    alone (`solo`) — see api.lanes."""
     model = Model(settings.engine)
-    return model, Engine(model)
+    engines = [Engine(model)]
+    lanes = settings.lanes
+    if lanes.slots > 0:
+        ctx = model.open_context(
+            n_ctx=lanes.slots * lanes.ctx, n_seq_max=lanes.slots, unified=False,
+            device_greedy=False, n_ubatch=max(settings.engine.n_ubatch, lanes.chunk),
+        )  # fmt: skip
+        engines.append(Engine(model, ctx, solo=True))
+    return model, engines
 
 
-def _state(settings: ServerSettings, model: Model, engine: Engine) -> ServerState:
+def _state(settings: ServerSettings, model: Model, engines: list[Engine]) -> ServerState:
     max_len = min(model.n_ctx, model.n_ctx_train or model.n_ctx)
     if settings.max_model_len:
         max_len = min(max_len, settings.max_model_len)
@@ -59,8 +71,24 @@ def _state(settings: ServerSettings, model: Model, engine: Engine) -> ServerStat
         )
     )
     name = settings.served_model_name or Path(settings.engine.model_path).stem
-    metrics = Metrics(name)
-    loop = EngineLoop(scheduler, engine.step, on_stats=metrics.observe)
+    lanes = settings.lanes
+    metrics = Metrics(name, (FAST, REPRODUCIBLE) if len(engines) > 1 else (FAST,))
+    loop = EngineLoop(scheduler, engines[0].step, on_stats=metrics.observe)
+    repro_len = 0
+    if len(engines) > 1:
+        repro_len = min(lanes.ctx, model.n_ctx_train or lanes.ctx)
+        # Fixed chunks, no time budget, never preempted: every request fits its own stream
+        # (the API refuses longer ones), so the chunking is a function of the request alone.
+        repro = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=lanes.slots,
+                kv_capacity=lanes.slots * lanes.ctx,
+                max_num_batched_tokens=lanes.slots * lanes.chunk,
+                max_waiting=settings.max_waiting,
+                max_prefill_chunk=lanes.chunk,
+            )
+        )
+        loop.add_lane(REPRODUCIBLE, repro, engines[1].step)
     template = ChatTemplate.resolve(
         settings.chat_template, model.chat_template(), model.bos_token, model.eos_token
     )
@@ -72,6 +100,8 @@ def _state(settings: ServerSettings, model: Model, engine: Engine) -> ServerStat
         template=template,
         model_name=name,
         max_model_len=max_len,
+        repro_max_len=repro_len,
+        fingerprints=fingerprints(settings.engine, lanes),
         created=int(time.time()),
         aliases=frozenset({name, Path(settings.engine.model_path).name}),
     )
@@ -122,8 +152,8 @@ class BearerAuth:
 def build_app(settings: ServerSettings) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        model, engine = await anyio.to_thread.run_sync(_load, settings)
-        state = _state(settings, model, engine)
+        model, engines = await anyio.to_thread.run_sync(_load, settings)
+        state = _state(settings, model, engines)
         app.state.server = state
         state.loop.start()
         log.info("serving %s (max_model_len=%d)", state.model_name, state.max_model_len)
@@ -132,7 +162,8 @@ def build_app(settings: ServerSettings) -> Starlette:
         finally:
             state.draining = True
             await state.loop.stop(drain_s=settings.drain_s)
-            engine.close()
+            for engine in engines:
+                engine.close()
             model.close()
 
     routes = [

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from engine.config import EngineConfig
+from engine.placement import CPU_MOE
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,6 +35,27 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--threads-batch", type=int, default=0, help="batch threads (0 = --threads)")
     s.add_argument("--flash-attn", choices=["auto", "on", "off"], default="auto")
     s.add_argument("--n-gpu-layers", type=int, default=-1, help="layers on the GPU (-1 = all)")
+    s.add_argument(
+        "--cpu-experts", metavar="REGEX", action="append", default=[],
+        help="keep tensors whose name matches REGEX in host RAM (repeatable)",
+    )  # fmt: skip
+    s.add_argument("--cpu-moe", action="store_true",
+                   help="keep every routed expert in host RAM (llama.cpp's --cpu-moe)")  # fmt: skip
+    s.add_argument(
+        "--device-greedy", choices=["auto", "on", "off"], default="auto",
+        help="sample plain greedy requests inside the graph (auto: when on a GPU)",
+    )  # fmt: skip
+    s.add_argument(
+        "--cpu-numerics", choices=["fork", "gpu"], default="fork",
+        help="fork: requests share steps unless they send strata_reproducible=required; "
+        "gpu: every request is served in the reproducible lane",
+    )  # fmt: skip
+    s.add_argument("--repro-slots", type=int, default=2,
+                   help="requests the reproducible lane serves at once (0 = no lane)")  # fmt: skip
+    s.add_argument("--repro-ctx", type=int, default=4096,
+                   help="tokens per request in the reproducible lane (own KV stream)")  # fmt: skip
+    s.add_argument("--repro-chunk", type=int, default=256,
+                   help="prompt tokens per step in the reproducible lane (fixed)")  # fmt: skip
     s.add_argument("--max-waiting", type=int, default=256, help="queue bound before 429")
     s.add_argument("--chat-template", type=Path, help="jinja2 chat template file")
     s.add_argument("--api-key", default=os.environ.get("ONEGPU_API_KEY"))
@@ -56,6 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     sys.setswitchinterval(0.0005)
 
     from api.app import build_app
+    from api.lanes import LaneOptions
     from api.state import ServerSettings
 
     model_path = args.model
@@ -74,6 +97,8 @@ def main(argv: list[str] | None = None) -> None:
         n_threads_batch=args.threads_batch,
         flash_attn=args.flash_attn,
         n_gpu_layers=args.n_gpu_layers,
+        device_greedy={"auto": None, "on": True, "off": False}[args.device_greedy],
+        cpu_tensors=tuple(args.cpu_experts) + ((CPU_MOE,) if args.cpu_moe else ()),
     )
     settings = ServerSettings(
         engine=engine,
@@ -86,6 +111,12 @@ def main(argv: list[str] | None = None) -> None:
         min_prefill_chunk=args.min_prefill_chunk,
         api_key=args.api_key,
         drain_s=args.drain_seconds,
+        lanes=LaneOptions(
+            cpu_numerics=args.cpu_numerics,
+            slots=args.repro_slots,
+            ctx=-(-args.repro_ctx // 256) * 256,  # llama.cpp pads each stream to 256 cells
+            chunk=args.repro_chunk,
+        ),
     )
     uvicorn.run(
         build_app(settings),

@@ -38,6 +38,16 @@ class ContextLengthExceeded(InvalidRequest):
     code = "context_length_exceeded"
 
 
+class ReproducibleLaneUnavailable(InvalidRequest):
+    code = "reproducible_lane_unavailable"
+
+
+class NotReproducible(InvalidRequest):
+    """The request asks the reproducible lane for something it cannot make reproducible."""
+
+    code = "not_reproducible"
+
+
 class ModelNotFound(APIError):
     status = 404
     type = "invalid_request_error"

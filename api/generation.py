@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from api.errors import ContextLengthExceeded, InvalidRequest, ServerBusy
+from api.lanes import FAST, REPRODUCIBLE
 from api.schemas import SamplingFields
 from api.state import ServerState
 from engine.detok import IncrementalDetokenizer
@@ -51,9 +52,9 @@ def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     return stops
 
 
-def max_tokens_for(state: ServerState, n_prompt: int, asked: int | None) -> int:
-    """Resolve max_tokens against the context; 400 when prompt + max_tokens cannot fit."""
-    limit = state.max_model_len
+def max_tokens_for(state: ServerState, n_prompt: int, asked: int | None, lane: str = FAST) -> int:
+    """Resolve max_tokens against the lane's context; 400 when prompt + max_tokens cannot fit."""
+    limit = state.repro_max_len if lane == REPRODUCIBLE else state.max_model_len
     if n_prompt == 0:
         raise InvalidRequest("the prompt is empty", param="prompt")
     if asked is None:
@@ -98,9 +99,10 @@ class Choice:
 class Submission:
     """The scheduler requests of one API call (one per choice) and their streams."""
 
-    def __init__(self, state: ServerState, base_id: str) -> None:
+    def __init__(self, state: ServerState, base_id: str, lane: str = FAST) -> None:
         self.state = state
         self.base_id = base_id
+        self.lane = lane
         self.req_ids: list[str] = []
         self.queues: list[asyncio.Queue[RequestOutput]] = []
 
@@ -125,12 +127,16 @@ class Submission:
             is_eog=_never if ignore_eos else model.is_eog,
         )
         try:
-            q = self.state.loop.add(req)
+            q = self.state.loop.add(req, self.lane)
         except QueueFull as e:
             self.abort()
             raise ServerBusy(f"server busy: {e}; retry shortly", retry_after_s=1) from e
         self.req_ids.append(req.req_id)
         self.queues.append(q)
+
+    def accepted(self) -> None:
+        """Every choice is queued: count the request in its lane."""
+        self.state.metrics.lane_requests.labels(lane=self.lane).inc()
 
     def abort(self) -> None:
         """Abort whatever has not finished (no-op for finished requests)."""

@@ -1,6 +1,8 @@
 """Prometheus metrics: the only module that imports prometheus_client.
 
-Fed one `StepStats` per scheduler step; every series is prefixed `onegpu_`. The registry
+Fed one `StepStats` per scheduler step; every series is prefixed `onegpu_`. Queue and KV
+gauges carry the lane (`fast`, `reproducible`); the step-shape histograms and the cost model
+describe the fast lane's shared steps, and each lane's step time is counted on its own. The registry
 belongs to the app (no global default registry), so several apps can live in one process.
 """
 
@@ -21,17 +23,28 @@ _SEQS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 
 
 class Metrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, lanes: tuple[str, ...] = ("fast",)) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.running = Gauge(
-            "onegpu_requests_running", "Requests holding a sequence now", registry=r
+            "onegpu_requests_running", "Requests holding a sequence now", ["lane"], registry=r
         )
         self.waiting = Gauge(
-            "onegpu_requests_waiting", "Requests queued for a sequence", registry=r
+            "onegpu_requests_waiting", "Requests queued for a sequence", ["lane"], registry=r
         )
-        self.kv_used = Gauge("onegpu_kv_cache_used_cells", "KV cells held by sequences", registry=r)
+        self.kv_used = Gauge(
+            "onegpu_kv_cache_used_cells", "KV cells held by sequences", ["lane"], registry=r
+        )
         self.kv_capacity = Gauge(
-            "onegpu_kv_cache_capacity_cells", "KV cells in the pool", registry=r
+            "onegpu_kv_cache_capacity_cells", "KV cells in the pool", ["lane"], registry=r
+        )
+        self.lane_requests = Counter(
+            "onegpu_lane_requests", "Requests accepted, by numerics lane", ["lane"], registry=r
+        )
+        self.lane_steps = Counter(
+            "onegpu_lane_steps", "Engine steps run, by lane", ["lane"], registry=r
+        )
+        self.lane_step_time = Counter(
+            "onegpu_lane_step_seconds", "Engine step time, by lane", ["lane"], registry=r
         )
         self.prompt_tokens = Counter(
             "onegpu_prompt_tokens", "Prompt tokens prefilled (first pass)", registry=r
@@ -103,6 +116,10 @@ class Metrics:
             ["phase"],
             registry=r,
         )
+        for lane in lanes:  # every lane's series exists from the start, at zero
+            for family in (self.running, self.waiting, self.kv_used, self.kv_capacity,
+                           self.lane_requests, self.lane_steps, self.lane_step_time):  # fmt: skip
+                family.labels(lane=lane)
         self._phases = {
             p: self.phase_time.labels(phase=p)
             for p in ("schedule", "fill", "decode", "sample", "postprocess", "other")
@@ -111,36 +128,22 @@ class Metrics:
         info.labels(model=model_name).set(1)
 
     def observe(self, s: StepStats) -> None:
-        self.running.set(s.num_running)
-        self.waiting.set(s.num_waiting)
-        self.kv_used.set(s.kv_used)
-        self.kv_capacity.set(s.kv_capacity)
+        lane = s.lane
+        self.running.labels(lane=lane).set(s.num_running)
+        self.waiting.labels(lane=lane).set(s.num_waiting)
+        self.kv_used.labels(lane=lane).set(s.kv_used)
+        self.kv_capacity.labels(lane=lane).set(s.kv_capacity)
         if s.num_prompt_tokens:
             self.prompt_tokens.inc(s.num_prompt_tokens)
         if s.num_generated_tokens:
             self.generated_tokens.inc(s.num_generated_tokens)
         if s.num_preempted:
             self.preemptions.inc(s.num_preempted)
-        if s.num_step_prompt_tokens:
-            self.step_prompt_tokens.observe(s.num_step_prompt_tokens)
-        for term, v in s.cost_model.items():
-            self.cost_model.labels(term=term).set(v)
         if s.num_step_tokens:
-            self.step_tokens.observe(s.num_step_tokens)
-            self.step_seqs.observe(s.num_step_seqs)
-            self.step_time.observe(s.step_s)
-            self.decode_time.observe(s.decode_s)
-            self.python_time.observe(max(0.0, s.step_s - s.decode_s))
-            parts = {
-                "schedule": s.schedule_s,
-                "fill": s.fill_s,
-                "decode": s.decode_s,
-                "sample": s.sample_s,
-                "postprocess": s.postprocess_s,
-            }
-            parts["other"] = max(0.0, s.step_s - sum(parts.values()))
-            for phase, v in parts.items():
-                self._phases[phase].inc(v)
+            self.lane_steps.labels(lane=lane).inc()
+            self.lane_step_time.labels(lane=lane).inc(s.step_s)
+            if lane == "fast":
+                self._observe_shared_step(s)
         for v in s.ttft_s:
             self.ttft.observe(v)
         for v in s.itl_s:
@@ -152,6 +155,27 @@ class Metrics:
             self.e2e.observe(f.e2e_s)
             if f.max_gap_s is not None:
                 self.max_gap.observe(f.max_gap_s)
+
+    def _observe_shared_step(self, s: StepStats) -> None:
+        if s.num_step_prompt_tokens:
+            self.step_prompt_tokens.observe(s.num_step_prompt_tokens)
+        for term, v in s.cost_model.items():
+            self.cost_model.labels(term=term).set(v)
+        self.step_tokens.observe(s.num_step_tokens)
+        self.step_seqs.observe(s.num_step_seqs)
+        self.step_time.observe(s.step_s)
+        self.decode_time.observe(s.decode_s)
+        self.python_time.observe(max(0.0, s.step_s - s.decode_s))
+        parts = {
+            "schedule": s.schedule_s,
+            "fill": s.fill_s,
+            "decode": s.decode_s,
+            "sample": s.sample_s,
+            "postprocess": s.postprocess_s,
+        }
+        parts["other"] = max(0.0, s.step_s - sum(parts.values()))
+        for phase, v in parts.items():
+            self._phases[phase].inc(v)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -21,6 +21,7 @@ from api.errors import (
     from_decode_error,
 )
 from api.generation import Choice, Submission, max_tokens_for, sampling_params, stop_strings
+from api.lanes import REPRODUCIBLE, check_reproducible, resolve_lane
 from api.schemas import (
     CHAT_DECODER,
     COMPLETION_DECODER,
@@ -98,14 +99,17 @@ def _chat_logprobs(state: ServerState, items: list[Sampled]) -> ChatLogprobs:
 
 
 def _completion_logprobs(
-    state: ServerState, items: list[Sampled], offset: int
+    state: ServerState, items: list[Sampled], offset: int, as_ids: bool = False
 ) -> CompletionLogprobs:
+    def name(tok: int) -> str:
+        return f"token_id:{tok}" if as_ids else _token_str(state, tok)[0]
+
     out = CompletionLogprobs([], [], [], [])
     for s in items:
         text, _ = _token_str(state, s.token)
-        out.tokens.append(text)
+        out.tokens.append(name(s.token))
         out.token_logprobs.append(s.logprob or 0.0)
-        out.top_logprobs.append({_token_str(state, t)[0]: lp for t, lp in s.top_logprobs or []})
+        out.top_logprobs.append({name(t): lp for t, lp in s.top_logprobs or []})
         out.text_offset.append(offset)
         offset += len(text)
     return out
@@ -160,22 +164,31 @@ async def chat_completions(request: Request) -> Response:
     model = state.model
     add_bos = model.add_bos and not (model.bos_token and prompt.startswith(model.bos_token))
     ids = model.tokenize(prompt, add_special=add_bos, parse_special=True)
-    max_tokens = max_tokens_for(state, len(ids), req.max_completion_tokens or req.max_tokens)
+    lane = resolve_lane(req.strata_reproducible, state.settings.lanes)
+    fp = state.fingerprints[lane]
+    max_tokens = max_tokens_for(state, len(ids), req.max_completion_tokens or req.max_tokens, lane)
     if req.top_logprobs and not req.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs=true", param="top_logprobs")
     stops = stop_strings(req.stop)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    sub = Submission(state, rid)
+    sub = Submission(state, rid, lane)
     for i in range(req.n):
         params = sampling_params(
             req, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0, seed_offset=i
         )
+        if lane == REPRODUCIBLE:
+            check_reproducible(params)
         sub.add(ids, params, max_tokens, stops, ignore_eos=req.ignore_eos)
+    sub.accepted()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> bytes:
-        return _frame(ChatCompletionChunk(rid, created, req.model, choices, usage=usage))
+        return _frame(
+            ChatCompletionChunk(
+                rid, created, req.model, choices, system_fingerprint=fp, usage=usage
+            )
+        )
 
     async def frames() -> AsyncIterator[bytes]:
         yield chunk([ChunkChoice(i, Delta(role="assistant", content="")) for i in range(req.n)])
@@ -205,7 +218,7 @@ async def chat_completions(request: Request) -> Response:
             for i, c in enumerate(choices)
         ]
         gen = sum(c.num_output_tokens for c in choices)
-        return ChatCompletion(rid, created, req.model, out, _usage(len(ids), gen))
+        return ChatCompletion(rid, created, req.model, out, _usage(len(ids), gen), fp)
 
     return await _respond(request, sub, req.stream, frames, body)
 
@@ -235,18 +248,24 @@ async def completions(request: Request) -> Response:
     if req.suffix:
         raise InvalidRequest("suffix is not supported", param="suffix")
     prompts = _completion_prompts(state, req.prompt)
-    limits = [max_tokens_for(state, len(p), req.max_tokens or 16) for p in prompts]
+    lane = resolve_lane(req.strata_reproducible, state.settings.lanes)
+    fp = state.fingerprints[lane]
+    limits = [max_tokens_for(state, len(p), req.max_tokens or 16, lane) for p in prompts]
     stops = stop_strings(req.stop)
     want_lp = req.logprobs is not None
+    as_ids = req.return_tokens_as_token_ids
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    sub = Submission(state, rid)
+    sub = Submission(state, rid, lane)
     for ids, max_tokens in zip(prompts, limits, strict=True):
         for i in range(req.n):
             params = sampling_params(
                 req, logprobs=want_lp, top_logprobs=req.logprobs or 0, seed_offset=i
             )
+            if lane == REPRODUCIBLE:
+                check_reproducible(params)
             sub.add(ids, params, max_tokens, stops, ignore_eos=req.ignore_eos)
+    sub.accepted()
     n_prompt = sum(len(p) for p in prompts) * req.n
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -257,16 +276,18 @@ async def completions(request: Request) -> Response:
             if o.finish_reason == "error":
                 yield _error_frame(GenerationFailed("generation failed in the backend"))
                 return
-            lp = _completion_logprobs(state, o.logprobs, offsets[i]) if want_lp else None
+            lp = _completion_logprobs(state, o.logprobs, offsets[i], as_ids) if want_lp else None
             offsets[i] += len(o.text)
             if o.finish_reason is not None:
                 completion_tokens += o.num_output_tokens
             if o.text or o.finish_reason is not None or lp is not None:
                 choice = CompletionChoice(i, o.text, o.finish_reason, lp)
-                yield _frame(Completion(rid, created, req.model, [choice]))
+                yield _frame(Completion(rid, created, req.model, [choice], fp))
         if include_usage:
             yield _frame(
-                Completion(rid, created, req.model, [], usage=_usage(n_prompt, completion_tokens))
+                Completion(
+                    rid, created, req.model, [], fp, usage=_usage(n_prompt, completion_tokens)
+                )
             )
         yield DONE
 
@@ -276,12 +297,12 @@ async def completions(request: Request) -> Response:
                 i,
                 "".join(c.text),
                 c.finish_reason,
-                _completion_logprobs(state, c.logprobs, 0) if want_lp else None,
+                _completion_logprobs(state, c.logprobs, 0, as_ids) if want_lp else None,
             )
             for i, c in enumerate(choices)
         ]
         gen = sum(c.num_output_tokens for c in choices)
-        return Completion(rid, created, req.model, out, usage=_usage(n_prompt, gen))
+        return Completion(rid, created, req.model, out, fp, usage=_usage(n_prompt, gen))
 
     return await _respond(request, sub, req.stream, frames, body)
 

@@ -54,6 +54,9 @@ class SamplingFields(Struct, kw_only=True):
     seed: int | None = None
     user: str | None = None
     ignore_eos: bool = False  # llama.cpp/vLLM extension: generate max_tokens (benchmarks)
+    # "required": serve in the reproducible lane; "off"/absent: the server's default lane.
+    # Checked by api.lanes (a wrong value is a 400 that lists the allowed ones).
+    strata_reproducible: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -68,6 +71,8 @@ class CompletionRequest(SamplingFields, kw_only=True):
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     echo: bool = False
     suffix: str | None = None
+    # vLLM's extension: logprobs name each token "token_id:<id>" (exact ids, for tests/evals)
+    return_tokens_as_token_ids: bool = False
 
 
 # ---- responses ----------------------------------------------------------------------
@@ -112,6 +117,7 @@ class ChatCompletion(Struct):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    system_fingerprint: str | None = None  # names the numerics lane (api.lanes)
     object: Literal["chat.completion"] = "chat.completion"
 
 
@@ -132,6 +138,7 @@ class ChatCompletionChunk(Struct):
     created: int
     model: str
     choices: list[ChunkChoice]
+    system_fingerprint: str | None = None  # names the numerics lane (api.lanes)
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     usage: Usage | None = None
 
@@ -155,6 +162,7 @@ class Completion(Struct):
     created: int
     model: str
     choices: list[CompletionChoice]
+    system_fingerprint: str | None = None  # names the numerics lane (api.lanes)
     object: Literal["text_completion"] = "text_completion"
     usage: Usage | None = None
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from starlette.requests import Request
 
+from api.lanes import LaneOptions
 from api.metrics import Metrics
 from engine.chat_template import ChatTemplate
 from engine.config import EngineConfig
@@ -27,6 +28,7 @@ class ServerSettings:
     min_prefill_chunk: int = 32
     api_key: str | None = None
     drain_s: float = 30.0
+    lanes: LaneOptions = field(default_factory=LaneOptions)
 
 
 @dataclass(slots=True)
@@ -38,6 +40,8 @@ class ServerState:
     template: ChatTemplate
     model_name: str
     max_model_len: int
+    repro_max_len: int  # per request in the reproducible lane (its KV stream)
+    fingerprints: dict[str, str]  # system_fingerprint by lane
     created: int
     draining: bool = False
     aliases: frozenset[str] = field(default_factory=frozenset)

@@ -33,7 +33,7 @@ import httpx
 
 from bench.aiperf_run import Cell, ensure_aiperf, ensure_tokenizer, run_aiperf
 from bench.batched_bench import run_batched_bench
-from bench.loadgen import run_load
+from bench.loadgen import run_load, run_lockstep
 from bench.peers import Peers, ensure_peers
 from bench.server_proc import Server, free_port, start_process, start_server
 
@@ -127,9 +127,13 @@ class Results:
     vram_mib: dict[str, list[float]] = field(default_factory=dict)
     profile: dict[str, list[dict[str, float]]] = field(default_factory=dict)  # ours, by cell
     ceiling: dict[int, list[float]] = field(default_factory=dict)
+    lockstep: dict[str, list[float]] = field(default_factory=dict)  # "server|sampling|N"
 
     def add(self, server: str, sampling: str, n: int, cell: Cell) -> None:
         self.cells.setdefault(f"{server}|{sampling}|{n}", []).append(cell)
+
+    def lockstep_med(self, server: str, sampling: str, n: int) -> float:
+        return statistics.median(self.lockstep.get(f"{server}|{sampling}|{n}", [0.0]))
 
     def med(self, server: str, sampling: str, n: int, attr: str) -> float:
         cells = self.cells[f"{server}|{sampling}|{n}"]
@@ -232,6 +236,15 @@ def run(args: argparse.Namespace) -> tuple[Results, Setup]:
                                 )
                             )
                         res.add(who, sname, n, cell)
+                        if args.lockstep_waves:
+                            rate = asyncio.run(
+                                run_lockstep(
+                                    srv.base_url, model=setup.name, concurrency=n,
+                                    waves=args.lockstep_waves, isl=args.isl, osl=args.osl,
+                                    sampling=SAMPLINGS[sname], seed=seed + 50,
+                                )
+                            )  # fmt: skip
+                            res.lockstep.setdefault(f"{who}|{sname}|{n}", []).append(rate)
                         if who == "ours":
                             prof = step_profile(counters, step_counters(srv))
                             res.profile.setdefault(f"{sname}|{n}", []).append(prof)
@@ -292,18 +305,20 @@ def report(res: Results, args: argparse.Namespace) -> str:
         out += [
             f"\n### {s} sampling ({SAMPLINGS[s]})\n",
             "| N | decode tok/s ours | llama-server | ours/theirs | batched-bench | "
-            "ours/ceiling | e2e tok/s ours / theirs | slowest user ours / theirs | "
+            "ours/ceiling | all-N decode tok/s ours / theirs | all-N ours/ceiling | "
+            "e2e tok/s ours / theirs | slowest user ours / theirs | "
             "TTFT p50, p99 ms ours | theirs | ITL p50, p99 ms ours | theirs |",
-            "|---" * 12 + "|",
+            "|---" * 14 + "|",
         ]
         for n in args.concurrency:
             o = {a: res.med("ours", s, n, a) for a in _ATTRS}
             t = {a: res.med("llama-server", s, n, a) for a in _ATTRS}
             ceil = statistics.median(res.ceiling[n])
+            lo, lt = (res.lockstep_med(w, s, n) for w in SERVERS)
             out.append(
                 f"| {n} | {o['decode_tok_s']:.1f} | {t['decode_tok_s']:.1f} | "
                 f"{o['decode_tok_s'] / t['decode_tok_s']:.2f} | {ceil:.1f} | "
-                f"{o['decode_tok_s'] / ceil:.2f} | "
+                f"{o['decode_tok_s'] / ceil:.2f} | {lo:.1f} / {lt:.1f} | {lo / ceil:.2f} | "
                 f"{o['output_tok_s']:.1f} / {t['output_tok_s']:.1f} | "
                 f"{o['slowest_user_tok_s']:.1f} / {t['slowest_user_tok_s']:.1f} | "
                 f"{o['ttft_p50']:.0f}, {o['ttft_p99']:.0f} | "
@@ -342,6 +357,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--osl", type=int, default=64, help="generated tokens per request")
     p.add_argument("--waves", type=int, default=3, help="requests per user per cell")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--lockstep-waves", type=int, default=2,
+        help="per cell, waves of N requests sent together, for the all-N decode rate (0 = off)",
+    )  # fmt: skip
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--gpu", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--cache", default=".bench", help="peers, aiperf venv, tokenizers, runs")
@@ -359,7 +378,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.concurrency, args.sampling, args.repeats = [2], ["greedy"], 1
-        args.isl, args.osl, args.waves = 32, 8, 1
+        args.isl, args.osl, args.waves, args.lockstep_waves = 32, 8, 1, 1
     return args
 
 

@@ -3,7 +3,14 @@ cannot be installed (the offline GPU machine): N users, each sending its next re
 soon as the last one ends, every request a distinct prompt of exactly `isl` token ids and
 exactly `osl` generated tokens (`ignore_eos`). It reports the same figures as an aiperf
 cell, measured the same way (per-request decode rate = tokens after the first / time after
-the first token)."""
+the first token).
+
+`run_lockstep` measures what `llama-batched-bench` calls S_TG through the whole server: N
+requests sent together, and the tokens all N streams receive between the moment the last
+of them got its first token and the moment the first of them ended — the window in which
+all N decode together with no prompt in the steps — divided by that window's length. The
+closed loop's per-user rates instead include the steps that carry other users' prompts,
+which the ceiling never has."""
 
 from __future__ import annotations
 
@@ -36,6 +43,15 @@ async def _one(
 ) -> tuple[float, list[float], int, float]:
     """(ttft, chunk gaps, generated tokens, decode seconds) of one streamed request."""
     t0 = time.monotonic()
+    stamps, n = await _stream(c, model, prompt_ids, osl, sampling)
+    gaps = [b - a for a, b in itertools.pairwise(stamps)]
+    return stamps[0] - t0, gaps, n, stamps[-1] - stamps[0]
+
+
+async def _stream(
+    c: AsyncOpenAI, model: str, prompt_ids: list[int], osl: int, sampling: dict[str, Any]
+) -> tuple[list[float], int]:
+    """Arrival time of each text chunk, and the usage's generated-token count."""
     stream = await c.completions.create(
         model=model, prompt=prompt_ids, max_tokens=osl, stream=True,
         stream_options={"include_usage": True},
@@ -48,8 +64,16 @@ async def _one(
             stamps.append(time.monotonic())
         if ch.usage is not None:
             n = ch.usage.completion_tokens
-    gaps = [b - a for a, b in itertools.pairwise(stamps)]
-    return stamps[0] - t0, gaps, n, stamps[-1] - stamps[0]
+    return stamps, n
+
+
+def _client(base_url: str) -> AsyncOpenAI:
+    # A new connection per request: llama-server closes kept-alive connections at times,
+    # and a request sent on a closing one fails (aiperf runs into the same).
+    http = DefaultAsyncHttpx2Client(limits=httpx2.Limits(max_keepalive_connections=0))
+    return AsyncOpenAI(
+        base_url=base_url, api_key="none", max_retries=0, timeout=600, http_client=http
+    )
 
 
 async def run_load(
@@ -59,12 +83,7 @@ async def run_load(
     rng = random.Random(seed)
     prompts = [prompt(rng, isl) for _ in range(requests)]
     results: list[tuple[float, list[float], int, float]] = []
-    # A new connection per request: llama-server closes kept-alive connections at times,
-    # and a request sent on a closing one fails (aiperf runs into the same).
-    http = DefaultAsyncHttpx2Client(limits=httpx2.Limits(max_keepalive_connections=0))
-    async with AsyncOpenAI(
-        base_url=base_url, api_key="none", max_retries=0, timeout=600, http_client=http
-    ) as c:
+    async with _client(base_url) as c:
         queue = list(reversed(prompts))
 
         async def user() -> None:
@@ -89,3 +108,25 @@ async def run_load(
         requests=len(results),
         output_tokens=total,
     )
+
+
+async def run_lockstep(
+    base_url: str, *, model: str, concurrency: int, waves: int, isl: int, osl: int,
+    sampling: dict[str, Any], seed: int = 1,
+) -> float:  # fmt: skip
+    """Decode tok/s summed over N while all N decode together (see the module's doc)."""
+    rng = random.Random(seed)
+    tokens = 0
+    seconds = 0.0
+    async with _client(base_url) as c:
+        for _ in range(waves):
+            runs = await asyncio.gather(
+                *(_stream(c, model, prompt(rng, isl), osl, sampling) for _ in range(concurrency))
+            )
+            start = max(st[0] for st, _ in runs)
+            end = min(st[-1] for st, _ in runs)
+            if end <= start:
+                continue  # a stream ended before the last one began: no common window
+            tokens += sum(1 for st, _ in runs for t in st if start < t <= end)
+            seconds += end - start
+    return tokens / seconds if seconds else 0.0

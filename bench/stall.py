@@ -129,6 +129,7 @@ def main() -> None:
     p.add_argument("--peer-bin", help="prebuilt llama-server folder (default: build it)")
     p.add_argument("--cache", default=".bench")
     p.add_argument("--no-peer", action="store_true", help="ours only")
+    p.add_argument("--cpu-moe", action="store_true", help="both servers: experts in host RAM")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     for noisy in ("httpx", "httpx2", "openai"):
@@ -160,6 +161,8 @@ def main() -> None:
     ]
     if args.threads:
         ours_args += ["--threads", str(args.threads)]
+    if args.cpu_moe:
+        ours_args += ["--cpu-moe"]
     results: dict[str, StallResult] = {}
     srv: Server = start_server(ours_args, logdir / "ours.log")
     try:
@@ -197,6 +200,8 @@ def main() -> None:
         ]
         if args.threads:
             cmd += ["-t", str(args.threads)]
+        if args.cpu_moe:
+            cmd += ["--cpu-moe"]
         srv = start_process(cmd, port, logdir / "llama-server.log")
         try:
             results["llama-server"] = asyncio.run(
@@ -206,7 +211,7 @@ def main() -> None:
             srv.stop()
     print(
         f"model {model.name}, {args.decoders} decoders, {args.prompt_tokens}-token prompt, "
-        f"gpu {gpu}, our --max-stall-ms {args.max_stall_ms:g}"
+        f"gpu {gpu}, experts in host RAM {args.cpu_moe}, our --max-stall-ms {args.max_stall_ms:g}"
     )
     print(
         "\n| server | longest decoder gap ms | median gap ms | decoder tokens during "

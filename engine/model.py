@@ -13,15 +13,15 @@ from typing import Any
 
 from engine._capi import llama
 from engine.config import EngineConfig
+from engine.context import Context
 from engine.errors import ModelLoadError
+from engine.placement import CpuOverrides
 
 log = logging.getLogger(__name__)
 
-_FLASH = {"auto": -1, "off": 0, "on": 1}
-
 
 class Model:
-    """A loaded model plus context. `close()` frees both; the object is unusable after."""
+    """A loaded model plus its contexts (`main`: the shared lane). `close()` frees all."""
 
     def __init__(self, cfg: EngineConfig) -> None:
         ll = llama()
@@ -32,39 +32,37 @@ class Model:
             raise ModelLoadError(f"model file not found: {path}")
         mparams = ll.llama_model_default_params()
         mparams.n_gpu_layers = cfg.n_gpu_layers
+        overrides = CpuOverrides(ll, list(cfg.cpu_tensors)) if cfg.cpu_tensors else None
+        if overrides is not None:
+            mparams.tensor_buft_overrides = overrides.pointer
         self.model = ll.llama_model_load_from_file(str(path).encode(), mparams)
+        del overrides  # llama.cpp read the patterns during the load
         if not self.model:
             raise ModelLoadError(f"llama.cpp could not load {path}")
         self.vocab = ll.llama_model_get_vocab(self.model)
         self.n_vocab: int = ll.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train: int = ll.llama_model_n_ctx_train(self.model)
 
-        cparams = ll.llama_context_default_params()
-        n_threads, n_threads_batch = cfg.threads()
-        cparams.n_ctx = cfg.n_ctx
-        cparams.n_batch = cfg.n_batch
-        cparams.n_ubatch = min(cfg.n_ubatch, cfg.n_batch)
-        cparams.n_seq_max = cfg.n_seq_max
-        cparams.n_threads = n_threads
-        cparams.n_threads_batch = n_threads_batch
-        cparams.flash_attn_type = _FLASH[cfg.flash_attn]
-        cparams.kv_unified = True  # one pool shared by all sequences: admission is by tokens
-        cparams.no_perf = True
-        self.ctx = ll.llama_init_from_model(self.model, cparams)
-        if not self.ctx:
+        self.contexts: list[Context] = []
+        try:
+            self.main = self.open_context(
+                n_ctx=cfg.n_ctx, n_seq_max=cfg.n_seq_max, unified=True,  # admission by tokens
+                device_greedy=self._device_greedy(),
+            )  # fmt: skip
+        except ModelLoadError:
             ll.llama_model_free(self.model)
-            raise ModelLoadError("llama.cpp could not create a context (out of memory?)")
-        self.memory = ll.llama_get_memory(self.ctx)
-        self.n_ctx: int = ll.llama_n_ctx(self.ctx)
-        self.n_batch: int = ll.llama_n_batch(self.ctx)
-        self.n_seq_max: int = ll.llama_n_seq_max(self.ctx)
+            raise
+        self.ctx = self.main.ctx
+        self.n_ctx: int = self.main.n_ctx
+        self.n_batch: int = self.main.n_batch
+        self.n_seq_max: int = cfg.n_seq_max
         self.add_bos: bool = bool(ll.llama_vocab_get_add_bos(self.vocab))
         self._pieces: list[bytes | None] = [None] * self.n_vocab
         self._piece_buf = ctypes.create_string_buffer(256)
         log.info(
             "loaded %s: n_vocab=%d n_ctx_train=%d n_ctx=%d n_batch=%d n_seq_max=%d threads=%d/%d",
             path.name, self.n_vocab, self.n_ctx_train, self.n_ctx, self.n_batch,
-            self.n_seq_max, n_threads, n_threads_batch,
+            self.n_seq_max, *cfg.threads(),
         )  # fmt: skip
 
     # ---- tokenizer -------------------------------------------------------------------
@@ -126,19 +124,31 @@ class Model:
         ptr = self.ll.llama_model_chat_template(self.model, None)
         return ptr.decode("utf-8") if ptr else None
 
-    # ---- KV ---------------------------------------------------------------------------
-    def seq_rm(self, seq_id: int) -> None:
-        """Drop every KV cell of a sequence."""
-        self.ll.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
+    # ---- contexts ---------------------------------------------------------------------
+    def _device_greedy(self) -> bool:
+        if self.cfg.device_greedy is not None:
+            return self.cfg.device_greedy
+        return self.cfg.n_gpu_layers != 0 and bool(self.ll.llama_supports_gpu_offload())
 
-    def seq_pos_max(self, seq_id: int) -> int:
-        """Largest position stored for a sequence; -1 when it holds none."""
-        return int(self.ll.llama_memory_seq_pos_max(self.memory, seq_id))
+    def open_context(
+        self, *, n_ctx: int, n_seq_max: int, unified: bool, device_greedy: bool,
+        n_ubatch: int | None = None,
+    ) -> Context:  # fmt: skip
+        """A further context on these weights (freed with the model)."""
+        cfg = self.cfg
+        ctx = Context(
+            self.ll, self.model, n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=cfg.n_batch,
+            n_ubatch=n_ubatch or cfg.n_ubatch, threads=cfg.threads(),
+            flash_attn=cfg.flash_attn, unified=unified, device_greedy=device_greedy,
+        )  # fmt: skip
+        self.contexts.append(ctx)
+        return ctx
 
     def close(self) -> None:
-        if getattr(self, "ctx", None):
-            self.ll.llama_free(self.ctx)
-            self.ctx = None
+        for c in getattr(self, "contexts", []):
+            c.close()
+        self.contexts = []
+        self.ctx = None
         if getattr(self, "model", None):
             self.ll.llama_model_free(self.model)
             self.model = None

@@ -2,6 +2,10 @@
 
 The batch's memory is ours (numpy arrays allocated once for `n_batch` tokens), so filling
 it is a few vectorised copies per chunk, not a Python loop per token.
+
+Sequence ids: the scheduler's ids are slots `[0, P)`. A request the device can sample (plain
+greedy) runs under llama.cpp id `s + P`, whose greedy chain lives in the graph; the others
+under `s` (see `engine.context`). The mapping is fixed when the sequence starts.
 """
 
 from __future__ import annotations
@@ -12,10 +16,11 @@ import time
 
 import numpy as np
 
+from engine.context import Context
 from engine.errors import InvalidBatch, raise_for_decode
 from engine.model import Model
 from engine.sampling import SamplerBank
-from engine.step_types import StepBatch, StepResult
+from engine.step_types import SeqChunk, StepBatch, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -23,11 +28,17 @@ log = logging.getLogger(__name__)
 class Engine:
     """Runs steps on one model. Not thread-safe: call `step` from one thread only."""
 
-    def __init__(self, model: Model) -> None:
+    def __init__(self, model: Model, context: Context | None = None, solo: bool = False) -> None:
+        """`solo`: every sequence of a step is decoded in a call of its own (the
+        reproducible lane); otherwise all share one `llama_decode`."""
         self.model = model
+        self.context = context or model.main
+        self.solo = solo
         ll = model.ll
         self.ll = ll
-        n = model.n_batch
+        self._ctx = self.context.ctx
+        self._llama_id: dict[int, int] = {}  # scheduler seq id -> llama.cpp seq id
+        n = self.context.n_batch
         self.n_batch = n
         self._tok = np.zeros(n, dtype=np.int32)
         self._pos = np.zeros(n, dtype=np.int32)
@@ -44,7 +55,9 @@ class Engine:
         self._batch.n_seq_id = self._nseq.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
         self._batch.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(seq_ptr_t))
         self._batch.logits = self._out.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
-        self.sampler = SamplerBank(ll, model.ctx, model.n_vocab, model.cfg.threads()[1])
+        self.sampler = SamplerBank(
+            ll, self._ctx, model.n_vocab, model.cfg.threads()[1], self.context.device_greedy
+        )
 
     def step(self, batch: StepBatch) -> StepResult:
         """Release finished sequences, start new ones, decode the batch, sample.
@@ -53,26 +66,46 @@ class Engine:
         typed errors of `raise_for_decode` for the backend's return codes.
         """
         t_start = time.perf_counter()
+        ids = self._llama_id
         for seq_id in batch.released:
-            self.model.seq_rm(seq_id)
+            self.context.seq_rm(ids.pop(seq_id, seq_id))
             self.sampler.release(seq_id)
         for s in batch.starts:
-            self.model.seq_rm(s.seq_id)
-            self.sampler.start(s)
-        n = batch.num_tokens
-        if n == 0:
-            return StepResult({})
+            self.context.seq_rm(ids.pop(s.seq_id, s.seq_id))
+            on_device = self.sampler.start(s)
+            ids[s.seq_id] = s.seq_id + self.context.n_slots if on_device else s.seq_id
+        if not batch.chunks:
+            return StepResult({}, fill_s=time.perf_counter() - t_start)
+        if not self.solo:
+            return self._decode(batch.chunks, t_start)
+        # Reproducible lane: each sequence alone in its own llama_decode, so its numerics
+        # depend on nothing but itself (FINDINGS, "Determinism").
+        result = StepResult({}, fill_s=0.0)
+        for c in batch.chunks:
+            part = self._decode([c], t_start)
+            result.sampled.update(part.sampled)
+            result.fill_s += part.fill_s
+            result.decode_s += part.decode_s
+            result.sample_s += part.sample_s
+            t_start = time.perf_counter()
+        return result
+
+    def _decode(self, chunks: list[SeqChunk], t_start: float) -> StepResult:
+        ids = self._llama_id
+        n = sum(len(c.tokens) for c in chunks)
         if n > self.n_batch:
             raise InvalidBatch(f"{n} tokens exceed n_batch={self.n_batch}")
         want: list[tuple[int, int]] = []  # (seq_id, batch index of its last token)
         toks: list[int] = []
         pos: list[int] = []
         seqs: list[int] = []
-        for c in batch.chunks:  # plain lists, then one numpy copy per field
+        for c in chunks:  # plain lists, then one numpy copy per field
+            if not 0 <= c.seq_id < self.context.n_slots:
+                raise InvalidBatch(f"seq id {c.seq_id} outside [0, {self.context.n_slots})")
             k = len(c.tokens)
             toks += c.tokens
             pos += range(c.pos0, c.pos0 + k)
-            seqs += [c.seq_id] * k
+            seqs += [ids.get(c.seq_id, c.seq_id)] * k
             if c.sample:
                 want.append((c.seq_id, len(toks) - 1))
         self._tok[:n] = toks
@@ -82,16 +115,20 @@ class Engine:
         self._out[[i for _, i in want]] = 1
         self._batch.n_tokens = n
         t0 = time.perf_counter()
-        rc = self.ll.llama_decode(self.model.ctx, self._batch)
+        rc = self.ll.llama_decode(self._ctx, self._batch)
         raise_for_decode(rc)
         # GPU backends return before the graph has run; wait here so decode_s is the
         # compute and the rest of the step is truly ours.
-        self.ll.llama_synchronize(self.model.ctx)
+        self.ll.llama_synchronize(self._ctx)
         t1 = time.perf_counter()
         sampled = self.sampler.sample_all(want)
         return StepResult(
             sampled, fill_s=t0 - t_start, decode_s=t1 - t0, sample_s=time.perf_counter() - t1
         )
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        """Largest KV position of a scheduler sequence id; -1 when it holds none."""
+        return self.context.seq_pos_max(self._llama_id.get(seq_id, seq_id))
 
     def close(self) -> None:
         self.sampler.close()

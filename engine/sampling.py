@@ -1,7 +1,9 @@
 """Per-sequence token sampling: llama.cpp sampler chains, a numpy fast path, logprobs.
 
-Greedy requests without penalties skip llama.cpp's chain and take `argmax` of the logits
-row directly (same result, no per-token sampler overhead). Other requests run their own
+Greedy requests without penalties or logprobs are sampled on the device when the context
+carries device greedy chains (`engine.context`): one token id per row comes back instead of
+a row of logits. Without them they take `argmax` of the logits row directly (same result,
+no per-token sampler overhead). Other requests run their own
 llama.cpp chain, one per sequence, spread over worker threads: a chain over a 150K–260K
 vocabulary costs ~0.5 ms of CPU, ctypes releases the GIL for the call, and the cores are
 otherwise idle between two decodes. Logprobs always come from the raw logits row
@@ -15,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.errors import BackendError
 from engine.step_types import Sampled, SamplingParams, SeqStart
 
 PENALTY_LAST_N = 64
@@ -24,28 +27,38 @@ _RANDOM_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: llama.cpp picks a random seed
 class SamplerBank:
     """Owns one sampler chain per live sequence (none for plain greedy)."""
 
-    def __init__(self, ll: Any, ctx: Any, n_vocab: int, n_threads: int = 1) -> None:
+    def __init__(
+        self, ll: Any, ctx: Any, n_vocab: int, n_threads: int = 1, device_greedy: bool = False
+    ) -> None:
         self.ll = ll
         self.ctx = ctx
         self.n_vocab = n_vocab
+        self.device_greedy = device_greedy
+        self._on_device: set[int] = set()
         self._chains: dict[int, Any] = {}
         self._params: dict[int, SamplingParams] = {}
         self._pool = (
             ThreadPoolExecutor(n_threads, thread_name_prefix="sampler") if n_threads > 1 else None
         )
 
-    def start(self, s: SeqStart) -> None:
+    def start(self, s: SeqStart) -> bool:
+        """Set up a sequence's sampling; True when the device samples it (see `engine.context`)."""
         self.release(s.seq_id)
         p = s.params
         self._params[s.seq_id] = p
         if p.is_greedy and not p.has_penalties:
-            return
+            if self.device_greedy and not p.logprobs:
+                self._on_device.add(s.seq_id)
+                return True
+            return False
         chain = self._build(p)
         for tok in s.history:
             self.ll.llama_sampler_accept(chain, tok)
         self._chains[s.seq_id] = chain
+        return False
 
     def release(self, seq_id: int) -> None:
+        self._on_device.discard(seq_id)
         chain = self._chains.pop(seq_id, None)
         if chain is not None:
             self.ll.llama_sampler_free(chain)
@@ -94,14 +107,18 @@ class SamplerBank:
         """
         if not want:
             return {}
+        dev = self._on_device
+        if dev and all(seq_id in dev for seq_id, _ in want):  # nothing to read but ids
+            return {seq_id: Sampled(self._device_token(i)) for seq_id, i in want}
         ptr = self.ll.llama_get_logits(self.ctx)
         rows = np.ctypeslib.as_array(ptr, shape=(len(want), self.n_vocab))  # [N, V]
         chained = [j for j, (seq_id, _) in enumerate(want) if seq_id in self._chains]
-        if not chained:  # all greedy: one argmax over [N, V]
+        if not chained and not dev:  # all greedy on the host: one argmax over [N, V]
             tokens: list[int] = rows.argmax(axis=1).tolist()
         else:  # per-row argmax on views: fancy-indexing the greedy rows would copy them
-            tokens = [0 if s in self._chains else int(rows[j].argmax())
-                      for j, (s, _) in enumerate(want)]  # fmt: skip
+            tokens = [0 if s in self._chains else
+                      self._device_token(i) if s in dev else int(rows[j].argmax())
+                      for j, (s, i) in enumerate(want)]  # fmt: skip
             jobs = [(self._chains[want[j][0]], want[j][1]) for j in chained]
             if self._pool is not None and len(jobs) > 1:
                 picks = list(self._pool.map(self._sample_chain, jobs))
@@ -118,6 +135,12 @@ class SamplerBank:
                 else Sampled(tokens[j])
             )
         return out
+
+    def _device_token(self, batch_idx: int) -> int:
+        tok = int(self.ll.llama_get_sampled_token_ith(self.ctx, batch_idx))
+        if tok < 0:
+            raise BackendError(f"no device-sampled token at batch index {batch_idx}")
+        return tok
 
     def _sample_chain(self, job: tuple[Any, int]) -> int:
         chain, batch_idx = job

@@ -7,6 +7,12 @@ streaming and /metrics keep answering during a step, and a busy event loop never
 the next step (a hand-off per step through an executor cost ~1.5 ms of a 15 ms step).
 The core is guarded by one lock: the engine thread holds it while scheduling and
 postprocessing, never while llama.cpp runs; add/abort take it briefly.
+
+Lanes: besides the shared ("fast") lane, a server may run other lanes — a scheduler and an
+engine step of their own, on another llama.cpp context (the reproducible lane). Each loop
+iteration schedules every lane that has work, runs their steps one after the other, then
+postprocesses them; so a lane's step adds its own time to everyone's step, and nothing
+else: lanes share no KV, no batch and no sampler.
 """
 
 from __future__ import annotations
@@ -17,10 +23,11 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from engine.errors import EngineError, KVCacheFull
 from engine.step_types import StepBatch, StepResult
-from scheduler.core import Scheduler
+from scheduler.core import Scheduler, SchedulerOutput
 from scheduler.request import Request, RequestOutput
 from scheduler.stats import StepStats
 
@@ -28,6 +35,14 @@ log = logging.getLogger(__name__)
 
 StepFn = Callable[[StepBatch], StepResult]
 StatsSink = Callable[[StepStats], None]
+FAST = "fast"
+
+
+@dataclass(frozen=True, slots=True)
+class Lane:
+    name: str
+    scheduler: Scheduler
+    step: StepFn
 
 
 class EngineLoop:
@@ -38,8 +53,9 @@ class EngineLoop:
         on_stats: StatsSink | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.scheduler = scheduler
-        self._step = step
+        self.scheduler = scheduler  # the fast lane's
+        self.lanes: dict[str, Lane] = {FAST: Lane(FAST, scheduler, step)}
+        self._lane_of: dict[str, Scheduler] = {}  # req_id -> its lane's scheduler
         self._on_stats = on_stats
         self._clock = clock
         self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}  # event-loop side only
@@ -51,6 +67,10 @@ class EngineLoop:
         self._task: asyncio.Future[None] | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 
+    def add_lane(self, name: str, scheduler: Scheduler, step: StepFn) -> None:
+        """Another lane, stepped after the fast one in every iteration (before `start`)."""
+        self.lanes[name] = Lane(name, scheduler, step)
+
     def start(self) -> None:
         self._aloop = asyncio.get_running_loop()
         self._task = self._aloop.run_in_executor(self._executor, self._run)
@@ -61,7 +81,8 @@ class EngineLoop:
             try:
                 await asyncio.wait_for(self._idle.wait(), drain_s)
             except TimeoutError:
-                log.warning("drain timed out with %d running", len(self.scheduler.running))
+                running = sum(len(lane.scheduler.running) for lane in self.lanes.values())
+                log.warning("drain timed out with %d running", running)
         with self._work:
             self._closed = True
             self._work.notify()
@@ -69,11 +90,13 @@ class EngineLoop:
             await self._task
         self._executor.shutdown(wait=True)
 
-    def add(self, req: Request) -> asyncio.Queue[RequestOutput]:
+    def add(self, req: Request, lane: str = FAST) -> asyncio.Queue[RequestOutput]:
         """Queue a request; raises `QueueFull` at the bound. Returns its output stream."""
+        sched = self.lanes[lane].scheduler
         with self._work:
-            self.scheduler.add(req)
+            sched.add(req)
             self._work.notify()
+        self._lane_of[req.req_id] = sched
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[req.req_id] = q
         self._idle.clear()
@@ -81,9 +104,10 @@ class EngineLoop:
 
     def abort(self, req_id: str) -> None:
         """Stop a request (client gone); its KV is freed at the next step."""
-        if self._streams.pop(req_id, None) is not None:
+        sched = self._lane_of.pop(req_id, None)
+        if self._streams.pop(req_id, None) is not None and sched is not None:
             with self._work:
-                self.scheduler.abort(req_id)
+                sched.abort(req_id)
                 self._work.notify()
 
     @property
@@ -91,43 +115,57 @@ class EngineLoop:
         return self._task is not None and not self._task.done()
 
     # ---- engine thread ----------------------------------------------------------------
+    @property
+    def _has_work(self) -> bool:
+        return any(lane.scheduler.has_work for lane in self.lanes.values())
+
     def _run(self) -> None:
-        sched = self.scheduler
         while True:
             with self._work:
-                while not self._closed and not sched.has_work:
+                while not self._closed and not self._has_work:
                     self._post(None, None)  # idle
                     self._work.wait()
                 if self._closed:
                     return
-                p0 = time.perf_counter()
-                out = sched.schedule(self._clock())
-                p1 = time.perf_counter()
-                if out.is_empty:  # nothing admissible now: wait for an add or abort
+                planned: list[tuple[Lane, SchedulerOutput, float]] = []
+                for lane in self.lanes.values():
+                    if lane.scheduler.has_work:
+                        p0 = time.perf_counter()
+                        out = lane.scheduler.schedule(self._clock())
+                        if not out.is_empty:
+                            planned.append((lane, out, time.perf_counter() - p0))
+                if not planned:  # nothing admissible now: wait for an add or abort
                     self._work.wait()
                     continue
-            result: StepResult | None
-            try:
-                result = self._step(out.batch)
-            except KVCacheFull:
-                log.warning("backend KV full at %d cells used; preempting", sched.pool.used)
-                with self._work:
-                    sched.rollback_kv_full(out)
-                continue
-            except EngineError:
-                log.exception("engine step failed; failing its %d requests", len(out.reqs))
-                result = None
-            p2 = time.perf_counter()
+            for lane, out, schedule_s in planned:
+                self._step_lane(lane, out, schedule_s)
+
+    def _step_lane(self, lane: Lane, out: SchedulerOutput, schedule_s: float) -> None:
+        sched = lane.scheduler
+        p1 = time.perf_counter()
+        result: StepResult | None
+        try:
+            result = lane.step(out.batch)
+        except KVCacheFull:
+            log.warning("backend KV full at %d cells used; preempting", sched.pool.used)
             with self._work:
-                if result is None:
-                    outputs, stats = sched.fail(out, self._clock())
-                else:
-                    outputs, stats = sched.postprocess(out, result, self._clock())
-            p3 = time.perf_counter()
-            stats.schedule_s = p1 - p0
-            stats.postprocess_s = p3 - p2
-            stats.step_s = p3 - p0
-            self._post(outputs, stats)
+                sched.rollback_kv_full(out)
+            return
+        except EngineError:
+            log.exception("engine step failed; failing its %d requests", len(out.reqs))
+            result = None
+        p2 = time.perf_counter()
+        with self._work:
+            if result is None:
+                outputs, stats = sched.fail(out, self._clock())
+            else:
+                outputs, stats = sched.postprocess(out, result, self._clock())
+        p3 = time.perf_counter()
+        stats.lane = lane.name
+        stats.schedule_s = schedule_s
+        stats.postprocess_s = p3 - p2
+        stats.step_s = schedule_s + p3 - p1
+        self._post(outputs, stats)
 
     def _post(self, outputs: list[RequestOutput] | None, stats: StepStats | None) -> None:
         assert self._aloop is not None
@@ -137,7 +175,7 @@ class EngineLoop:
     def _deliver(self, outputs: list[RequestOutput] | None, stats: StepStats | None) -> None:
         if outputs is None:
             with self._lock:  # an add may have come after the engine thread went idle
-                idle = not self.scheduler.has_work
+                idle = not self._has_work
             if idle:
                 self._idle.set()
             return
@@ -147,5 +185,6 @@ class EngineLoop:
                 q.put_nowait(o)
                 if o.finish_reason is not None:
                     del self._streams[o.req_id]
+                    self._lane_of.pop(o.req_id, None)
         if stats is not None and self._on_stats is not None:
             self._on_stats(stats)

@@ -19,6 +19,7 @@ class FinishedStats:
 class StepStats:
     """One step's figures, plus the pool and queue state after it."""
 
+    lane: str = "fast"  # which lane stepped (scheduler.loop)
     num_running: int = 0
     num_waiting: int = 0
     kv_used: int = 0

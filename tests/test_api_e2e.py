@@ -350,9 +350,9 @@ def test_disconnecting_20_streaming_clients_frees_everything(server: Server) -> 
     def idle() -> bool:
         m = metrics(server)
         return (
-            m["onegpu_requests_running"] == 0
-            and m["onegpu_requests_waiting"] == 0
-            and m["onegpu_kv_cache_used_cells"] == 0
+            m["onegpu_requests_running{lane=fast}"] == 0
+            and m["onegpu_requests_waiting{lane=fast}"] == 0
+            and m["onegpu_kv_cache_used_cells{lane=fast}"] == 0
         )
 
     assert wait_for(idle, 1.0), metrics(server)
@@ -448,6 +448,8 @@ def test_metrics_after_traffic(server: Server) -> None:
         "onegpu_step_sequences": "histogram",
         "onegpu_step_decode_seconds": "histogram",
         "onegpu_step_python_seconds": "histogram",
+        "onegpu_lane_requests": "counter",
+        "onegpu_lane_steps": "counter",
     }.items():
         assert name in families, name
         assert families[name].type == kind, name
@@ -468,9 +470,10 @@ def test_metrics_after_traffic(server: Server) -> None:
         m["onegpu_e2e_request_latency_seconds_sum"] / m["onegpu_e2e_request_latency_seconds_count"]
     )
     assert ttft <= e2e
-    assert m["onegpu_requests_running"] == 0
-    assert m["onegpu_kv_cache_used_cells"] == 0
-    assert m["onegpu_kv_cache_capacity_cells"] == 16384
+    assert m["onegpu_requests_running{lane=fast}"] == 0
+    assert m["onegpu_kv_cache_used_cells{lane=fast}"] == 0
+    assert m["onegpu_kv_cache_capacity_cells{lane=fast}"] == 16384
+    assert m["onegpu_lane_requests_total{lane=fast}"] >= 2
 
 
 def test_penalties_and_extra_samplers_change_greedy_output(server: Server) -> None:
@@ -510,7 +513,10 @@ def test_disconnect_during_a_long_prefill_stops_it_and_frees_its_kv(server: Serv
 
     def idle() -> bool:
         m = metrics(server)
-        return m["onegpu_requests_running"] == 0 and m["onegpu_kv_cache_used_cells"] == 0
+        return (
+            m["onegpu_requests_running{lane=fast}"] == 0
+            and m["onegpu_kv_cache_used_cells{lane=fast}"] == 0
+        )
 
     assert wait_for(idle, 3.0), metrics(server)  # one 512-token chunk on 2 cores: ~1 s
     after = metrics(server)

@@ -31,7 +31,7 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 def _waiting(server: Server) -> float:
     for line in httpx.get(server.url + "/metrics").text.splitlines():
-        if line.startswith("onegpu_requests_waiting "):
+        if line.startswith('onegpu_requests_waiting{lane="fast"} '):
             return float(line.split()[1])
     raise AssertionError("no onegpu_requests_waiting")
 

@@ -7,6 +7,8 @@ batch shape or chunking is compared as distributions with a tolerance, never tok
 
 from __future__ import annotations
 
+import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
@@ -20,6 +22,7 @@ from engine.default_model import default_model_path
 from engine.detok import IncrementalDetokenizer
 from engine.errors import InvalidBatch, KVCacheFull
 from engine.model import Model
+from engine.placement import CPU_MOE
 from engine.runner import Engine
 from engine.step_types import Sampled, SamplingParams, SeqChunk, SeqStart, StepBatch
 from tests.tiny_gguf import CHATML_TEMPLATE, EOS_ID, FIRST_BYTE_ID, N_BYTE_TOKENS, write_llama
@@ -31,7 +34,13 @@ PROMPT = "the capital of france is paris and the people there say hello to the w
 
 class OpenEngine(Protocol):
     def __call__(
-        self, name: str = ..., *, n_ctx: int = ..., n_seq_max: int = ..., n_batch: int = ...
+        self,
+        name: str = ...,
+        *,
+        n_ctx: int = ...,
+        n_seq_max: int = ...,
+        n_batch: int = ...,
+        device_greedy: bool = ...,
     ) -> Engine: ...
 
 
@@ -52,10 +61,20 @@ def open_engine(tiny_models: dict[str, Path]) -> Iterator[OpenEngine]:
     opened: list[Engine] = []
 
     def _open(
-        name: str = "llama", *, n_ctx: int = 1024, n_seq_max: int = 8, n_batch: int = 256
+        name: str = "llama",
+        *,
+        n_ctx: int = 1024,
+        n_seq_max: int = 8,
+        n_batch: int = 256,
+        device_greedy: bool = True,
     ) -> Engine:
         cfg = EngineConfig(
-            str(tiny_models[name]), n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=n_batch, n_threads=2
+            str(tiny_models[name]),
+            n_ctx=n_ctx,
+            n_seq_max=n_seq_max,
+            n_batch=n_batch,
+            n_threads=2,
+            device_greedy=device_greedy,
         )
         model = Model(cfg)
         eng = Engine(model)
@@ -102,7 +121,7 @@ def prefill(
         res = eng.step(StepBatch([SeqChunk(seq_id, part, p0, last)], starts=starts))
         starts = []
         assert set(res.sampled) == ({seq_id} if last else set())
-    assert eng.model.seq_pos_max(seq_id) == len(prompt) - 1
+    assert eng.seq_pos_max(seq_id) == len(prompt) - 1
     return res.sampled[seq_id]
 
 
@@ -123,7 +142,7 @@ def generate(
         res = eng.step(StepBatch([SeqChunk(seq_id, [out[-1]], pos, True)]))
         out.append(res.sampled[seq_id].token)
         pos += 1
-    assert eng.model.seq_pos_max(seq_id) == pos - 1
+    assert eng.seq_pos_max(seq_id) == pos - 1
     return out
 
 
@@ -157,7 +176,7 @@ def test_multi_sequence_prefill_then_decode(open_engine: OpenEngine, arch: str) 
     res = eng.step(StepBatch(chunks, starts=[SeqStart(s, GREEDY) for s in range(4)]))
     assert set(res.sampled) == {0, 1, 2}
     assert res.decode_s > 0
-    assert m.seq_pos_max(3) == half - 1
+    assert eng.seq_pos_max(3) == half - 1
     last = {s: res.sampled[s].token for s in res.sampled}
     pos = {s: len(prompts[s]) for s in (0, 1, 2)}
     # Step 2: decode 0, 1, 2 and finish seq 3's prompt; step 3..: decode all four.
@@ -174,7 +193,7 @@ def test_multi_sequence_prefill_then_decode(open_engine: OpenEngine, arch: str) 
         last |= {s: res.sampled[s].token for s in res.sampled}
         pos = {s: p + 1 for s, p in pos.items()}
     for s, p in pos.items():
-        assert m.seq_pos_max(s) == p - 1
+        assert eng.seq_pos_max(s) == p - 1
     for sampled in res.sampled.values():
         assert 0 <= sampled.token < m.n_vocab
 
@@ -203,25 +222,24 @@ def test_chunked_prefill_is_reproducible_and_matches_unchunked(
 
 def test_released_sequence_frees_kv_and_restarts_at_zero(open_engine: OpenEngine) -> None:
     eng = open_engine()
-    m = eng.model
     a, b = prompt_ids(eng), prompt_ids(eng, "hello world")
     generate(eng, a, 6, seq_id=0)
     generate(eng, b, 3, seq_id=1)
-    assert m.seq_pos_max(0) == len(a) + 4
+    assert eng.seq_pos_max(0) == len(a) + 4
     res = eng.step(StepBatch([], released=[0]))
     assert res.sampled == {}
-    assert m.seq_pos_max(0) == -1
-    assert m.seq_pos_max(1) == len(b) + 1  # a neighbour keeps its cells
+    assert eng.seq_pos_max(0) == -1
+    assert eng.seq_pos_max(1) == len(b) + 1  # a neighbour keeps its cells
     # The recycled id starts over at position 0 and sees none of the old request.
     recycled = distribution(eng, b, seq_id=0, chunk=len(b))
-    assert m.seq_pos_max(0) == len(b) - 1
+    assert eng.seq_pos_max(0) == len(b) - 1
     fresh = distribution(open_engine(), b, chunk=len(b))
     np.testing.assert_allclose(recycled, fresh, atol=1e-3)
     # Releasing and starting in the same step also works (seq ids are reused at once).
     res = eng.step(StepBatch([SeqChunk(1, a, 0, True)], starts=[SeqStart(1, GREEDY)], released=[0]))
     assert set(res.sampled) == {1}
-    assert m.seq_pos_max(0) == -1
-    assert m.seq_pos_max(1) == len(a) - 1
+    assert eng.seq_pos_max(0) == -1
+    assert eng.seq_pos_max(1) == len(a) - 1
 
 
 def test_oversized_or_invalid_batch_raises_instead_of_aborting(open_engine: OpenEngine) -> None:
@@ -231,7 +249,7 @@ def test_oversized_or_invalid_batch_raises_instead_of_aborting(open_engine: Open
     too_long = [FIRST_BYTE_ID + ord("a")] * 33
     with pytest.raises(InvalidBatch):
         eng.step(StepBatch([SeqChunk(0, too_long, 0, True)], starts=[SeqStart(0, GREEDY)]))
-    assert m.seq_pos_max(0) == -1
+    assert eng.seq_pos_max(0) == -1
     # Two sequences together over the limit are refused as well.
     with pytest.raises(InvalidBatch):
         eng.step(
@@ -249,8 +267,8 @@ def test_oversized_or_invalid_batch_raises_instead_of_aborting(open_engine: Open
     # The process lives on and the context still works: exactly n_batch tokens are fine.
     res = eng.step(StepBatch([SeqChunk(0, too_long[:32], 0, True)], starts=[SeqStart(0, GREEDY)]))
     assert set(res.sampled) == {0}
-    assert m.seq_pos_max(0) == 31
-    assert m.seq_pos_max(2) == 8
+    assert eng.seq_pos_max(0) == 31
+    assert eng.seq_pos_max(2) == 8
 
 
 def test_kv_pool_full_raises_and_keeps_the_cache(open_engine: OpenEngine) -> None:
@@ -261,13 +279,91 @@ def test_kv_pool_full_raises_and_keeps_the_cache(open_engine: OpenEngine) -> Non
     generate(eng, toks, 1, seq_id=0)
     with pytest.raises(KVCacheFull):
         eng.step(StepBatch([SeqChunk(1, toks[:100], 0, True)], starts=[SeqStart(1, GREEDY)]))
-    assert m.seq_pos_max(1) == -1
-    assert m.seq_pos_max(0) == 199
+    assert eng.seq_pos_max(1) == -1
+    assert eng.seq_pos_max(0) == 199
     # What fits still runs.
     generate(eng, toks[:50], 2, seq_id=1)
 
 
+# ---- placement ------------------------------------------------------------------------------
+def test_expert_tensors_stay_in_host_ram_where_asked(
+    tiny_models: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """`cpu_tensors` reaches llama.cpp's loader: its own report names every routed expert
+    tensor (gate/up/down of each layer) as overridden to the CPU buffer, and nothing
+    else; the model still answers as without the override."""
+    path = str(tiny_models["qwen3moe"])
+    with caplog.at_level(logging.DEBUG, logger="llama.cpp"):
+        placed = Model(EngineConfig(path, n_ctx=256, n_threads=2, cpu_tensors=(CPU_MOE,)))
+    overridden = [r.getMessage() for r in caplog.records if "overridden to" in r.getMessage()]
+    names = sorted(m.split()[1] for m in overridden)
+    n_layer = int(re.findall(r"blk\.(\d+)\.", " ".join(names))[-1]) + 1 if names else 0
+    expected = sorted(f"blk.{i}.ffn_{w}_exps.weight" for i in range(n_layer)
+                      for w in ("gate", "up", "down"))  # fmt: skip
+    assert n_layer >= 1 and names == expected
+    assert all(m.rstrip().endswith("CPU") or "CPU" in m.split()[-1] for m in overridden)
+    plain = Model(EngineConfig(path, n_ctx=256, n_threads=2))
+    try:
+        a, b = Engine(placed), Engine(plain)
+        prompt = prompt_ids(a)
+        np.testing.assert_allclose(
+            distribution(a, prompt, chunk=len(prompt)),
+            distribution(b, prompt, chunk=len(prompt)),
+            atol=1e-3,
+        )
+        a.close()
+        b.close()
+    finally:
+        placed.close()
+        plain.close()
+
+
 # ---- sampling -------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["llama", "qwen3moe"])
+def test_device_greedy_matches_host_argmax_in_mixed_steps(
+    open_engine: OpenEngine, arch: str
+) -> None:
+    """Plain greedy rows are sampled inside the graph; rows beside them that need their
+    logits (greedy with logprobs, a sampler chain) still get them. Same schedule, so every
+    row must get the same tokens and logprobs as with host argmax — also in steps where
+    only device rows sample (no logits are copied then)."""
+    params = [
+        GREEDY,
+        SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2),
+        SamplingParams(temperature=0.8, top_k=40, seed=3),
+        GREEDY,
+    ]
+
+    def run(device: bool) -> list[list[Sampled]]:
+        eng = open_engine(arch, device_greedy=device)
+        assert eng.context.device_greedy is device
+        texts = ["hello world", "the people there", "one two three", "paris and france"]
+        prompts = [prompt_ids(eng, t) for t in texts]
+        starts = [SeqStart(s, p) for s, p in enumerate(params)]
+        res = eng.step(StepBatch([SeqChunk(s, p, 0, True) for s, p in enumerate(prompts)], starts))
+        out = [[res.sampled[s]] for s in range(4)]
+        pos = [len(p) for p in prompts]
+        for step in range(12):
+            live = range(4) if step < 6 else (0, 3)  # then device rows only
+            res = eng.step(
+                StepBatch(
+                    [SeqChunk(s, [out[s][-1].token], pos[s], True) for s in live],
+                    released=[1, 2] if step == 6 else [],
+                )
+            )
+            for s in live:
+                out[s].append(res.sampled[s])
+                pos[s] += 1
+        for s in (0, 3):
+            assert eng.seq_pos_max(s) == pos[s] - 1
+        assert eng.seq_pos_max(1) == -1
+        return out
+
+    host, device = run(False), run(True)
+    assert device == host
+    assert device[1][0].top_logprobs is not None  # the logprobs row was really read
+
+
 def test_seeded_sampling_reproduces(open_engine: OpenEngine) -> None:
     def sample(seed: int) -> list[int]:
         params = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=seed)

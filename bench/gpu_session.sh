@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# On the offline GPU host: build (bench/gpu_build.sh), then run the benchmarks one after
+# another, each into its own file under RESULTS. Meant to run detached (setsid nohup) so
+# it outlives one device call; each call copies RESULTS into $OUT.
+#   Usage: bench/gpu_session.sh WORKDIR RESULTS [STEP...]
+#   Steps: engine compare stall repro stall-cpumoe (default: all, in that order)
+set -uo pipefail
+W=${1:?WORKDIR}; R=${2:?RESULTS}; shift 2
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(engine compare stall repro stall-cpumoe)
+mkdir -p "$R"
+{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; } > "$R/machine.txt"
+if [ ! -f "$W/env.sh" ] || [ ! -f "$W/moe30.gguf" ]; then
+  bash bench/gpu_build.sh "$W" > "$R/build.txt" 2>&1 || { echo failed > "$R/build.failed"; exit 1; }
+fi
+# shellcheck disable=SC1091
+source "$W/env.sh"
+run() {  # name, command...
+  local name=$1; shift
+  echo "$ $*" > "$R/$name.txt"
+  local t0=$SECONDS
+  "$@" >> "$R/$name.txt" 2> "$R/$name.log"
+  echo "rc=$? seconds=$((SECONDS - t0))" >> "$R/$name.txt"
+}
+for s in "${steps[@]}"; do
+  case $s in
+    engine) run engine python3 -m bench.engine_step --model "$MODEL" --concurrency 1 4 8 16 32 ;;
+    compare) run compare python3 -m bench.compare --gpu --peer-bin "$PEER_BIN" --model "$MODEL" \
+      --concurrency 1 4 8 16 32 --isl 128 --osl 128 --waves 2 --lockstep-waves 2 --repeats 2 ;;
+    stall) run stall python3 -m bench.stall --gpu --peer-bin "$PEER_BIN" --model "$MODEL" \
+      --prompt-tokens 65000 --decoders 4 ;;
+    stall-cpumoe) run stall-cpumoe python3 -m bench.stall --gpu --peer-bin "$PEER_BIN" \
+      --model "$MODEL" --prompt-tokens 16384 --decoders 4 --cpu-moe ;;
+    repro) run repro python3 -m bench.repro --model "$MODEL" --trials 20 --duration 10 ;;
+  esac
+done
+cp -r .bench/runs "$R/bench-runs" 2>/dev/null
+date -u > "$R/done"
