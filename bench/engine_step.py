@@ -31,9 +31,13 @@ def measure(
     engine: Engine, n: int, params: SamplingParams, isl: int, steps: int
 ) -> dict[str, float]:
     prompt = [1000 + i for i in range(isl)]
-    starts = [SeqStart(s, params) for s in range(n)]
-    res = engine.step(StepBatch([SeqChunk(s, prompt, 0, True) for s in range(n)], starts))
-    last = {s: res.sampled[s].token for s in range(n)}
+    last: dict[int, int] = {}
+    group = max(1, engine.n_batch // isl)  # prompts per prefill step, within n_batch
+    for g in range(0, n, group):
+        seqs = range(g, min(n, g + group))
+        starts = [SeqStart(s, params) for s in seqs]
+        res = engine.step(StepBatch([SeqChunk(s, prompt, 0, True) for s in seqs], starts))
+        last |= {s: res.sampled[s].token for s in seqs}
     pos = isl
     wall, dec, smp = [], [], []
     for _ in range(steps):

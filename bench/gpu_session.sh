@@ -30,6 +30,14 @@ for s in "${steps[@]}"; do
       --prompt-tokens 65000 --decoders 4 ;;
     stall-cpumoe) run stall-cpumoe python3 -m bench.stall --gpu --peer-bin "$PEER_BIN" \
       --model "$MODEL" --prompt-tokens 16384 --decoders 4 --cpu-moe ;;
+    engine-quick) run engine python3 -m bench.engine_step --model "$MODEL" --concurrency 8 32 \
+      --modes host-greedy device-greedy --steps 32 ;;
+    compare-quick) run compare python3 -m bench.compare --gpu --peer-bin "$PEER_BIN" \
+      --model "$MODEL" --concurrency 8 32 --isl 128 --osl 128 --waves 2 --lockstep-waves 2 \
+      --repeats 1 ;;
+    repro-quick) run repro python3 -m bench.repro --model "$MODEL" --trials 20 --duration 4 ;;
+    stall-ours) run stall python3 -m bench.stall --gpu --model "$MODEL" --prompt-tokens 65000 \
+      --decoders 4 --no-peer ;;
     repro) run repro python3 -m bench.repro --model "$MODEL" --trials 20 --duration 10 ;;
   esac
 done
