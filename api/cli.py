@@ -42,8 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--cpu-moe", action="store_true",
                    help="keep every routed expert in host RAM (llama.cpp's --cpu-moe)")  # fmt: skip
     s.add_argument(
-        "--device-greedy", choices=["auto", "on", "off"], default="auto",
-        help="sample plain greedy requests inside the graph (auto: when on a GPU)",
+        "--device-greedy", choices=["auto", "on", "off"], default="off",
+        help="sample plain greedy requests inside the graph (auto: when on a GPU; "
+        "off by default: slower on the H200 at 32 users)",
     )  # fmt: skip
     s.add_argument(
         "--cpu-numerics", choices=["fork", "gpu"], default="fork",

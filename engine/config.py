@@ -33,10 +33,10 @@ class EngineConfig:
     n_threads_batch: int = 0
     flash_attn: FlashAttn = "auto"
     n_gpu_layers: int = -1  # all layers on the GPU when there is one
-    # Plain greedy requests take argmax inside the graph (engine.context). None = when the
-    # logits live on a GPU: there it saves copying and scanning them; on a CPU the graph's
-    # own argmax is no faster than numpy's and it adds a copy of the logits.
-    device_greedy: bool | None = None
+    # Plain greedy requests take argmax inside the graph (engine.context). Off by default:
+    # measured on the H200 (docs/runs/2026-12-02-h200-engine-step.txt) it made a 32-user
+    # step slower (13.3 vs 11.6 ms) — llama.cpp pads the logits and runs one argmax per row.
+    device_greedy: bool | None = False
     # Regexes of tensor names kept in host RAM whatever n_gpu_layers says (llama.cpp's
     # `-ot ...=CPU`); engine.placement.CPU_MOE is its `--cpu-moe`.
     cpu_tensors: tuple[str, ...] = ()
