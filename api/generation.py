@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from api.errors import ContextLengthExceeded, InvalidRequest, ServerBusy
-from api.lanes import FAST, REPRODUCIBLE
+from api.lanes import FAST, REPRODUCIBLE, check_reproducible
 from api.schemas import SamplingFields
 from api.state import ServerState
 from engine.detok import IncrementalDetokenizer
@@ -115,6 +115,8 @@ class Submission:
         *,
         ignore_eos: bool = False,
     ) -> None:
+        if self.lane == REPRODUCIBLE:
+            check_reproducible(params)  # refused, never served in another lane
         model = self.state.model
         req = Request(
             req_id=f"{self.base_id}-{len(self.req_ids)}",

@@ -8,10 +8,12 @@ belongs to the app (no global default registry), so several apps can live in one
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from scheduler.stats import StepStats
+from scheduler.stats import FAST, StepStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -23,29 +25,18 @@ _SEQS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 
 
 class Metrics:
-    def __init__(self, model_name: str, lanes: tuple[str, ...] = ("fast",)) -> None:
+    def __init__(self, model_name: str, lanes: tuple[str, ...] = (FAST,)) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
-        self.running = Gauge(
-            "onegpu_requests_running", "Requests holding a sequence now", ["lane"], registry=r
+        lane_gauge, lane_counter = self._by_lane(Gauge, lanes), self._by_lane(Counter, lanes)
+        self.running = lane_gauge("onegpu_requests_running", "Requests holding a sequence now")
+        self.waiting = lane_gauge("onegpu_requests_waiting", "Requests queued for a sequence")
+        self.kv_used = lane_gauge("onegpu_kv_cache_used_cells", "KV cells held by sequences")
+        self.kv_capacity = lane_gauge("onegpu_kv_cache_capacity_cells", "KV cells in the pool")
+        self.lane_requests = lane_counter(
+            "onegpu_lane_requests", "Requests accepted, by numerics lane"
         )
-        self.waiting = Gauge(
-            "onegpu_requests_waiting", "Requests queued for a sequence", ["lane"], registry=r
-        )
-        self.kv_used = Gauge(
-            "onegpu_kv_cache_used_cells", "KV cells held by sequences", ["lane"], registry=r
-        )
-        self.kv_capacity = Gauge(
-            "onegpu_kv_cache_capacity_cells", "KV cells in the pool", ["lane"], registry=r
-        )
-        self.lane_requests = Counter(
-            "onegpu_lane_requests", "Requests accepted, by numerics lane", ["lane"], registry=r
-        )
-        self.lane_steps = Counter(
-            "onegpu_lane_steps", "Engine steps run, by lane", ["lane"], registry=r
-        )
-        self.lane_step_time = Counter(
-            "onegpu_lane_step_seconds", "Engine step time, by lane", ["lane"], registry=r
-        )
+        self.lane_steps = lane_counter("onegpu_lane_steps", "Engine steps run, by lane")
+        self.lane_step_time = lane_counter("onegpu_lane_step_seconds", "Engine step time, by lane")
         self.prompt_tokens = Counter(
             "onegpu_prompt_tokens", "Prompt tokens prefilled (first pass)", registry=r
         )
@@ -116,16 +107,23 @@ class Metrics:
             ["phase"],
             registry=r,
         )
-        for lane in lanes:  # every lane's series exists from the start, at zero
-            for family in (self.running, self.waiting, self.kv_used, self.kv_capacity,
-                           self.lane_requests, self.lane_steps, self.lane_step_time):  # fmt: skip
-                family.labels(lane=lane)
         self._phases = {
             p: self.phase_time.labels(phase=p)
             for p in ("schedule", "fill", "decode", "sample", "postprocess", "other")
         }
         info = Gauge("onegpu_model_info", "The served model", ["model"], registry=r)
         info.labels(model=model_name).set(1)
+
+    def _by_lane(self, kind: Any, lanes: tuple[str, ...]) -> Any:
+        """A maker of `kind` families labelled by lane, each lane's series there at zero."""
+
+        def make(name: str, doc: str) -> Any:
+            family = kind(name, doc, ["lane"], registry=self.registry)
+            for lane in lanes:
+                family.labels(lane=lane)
+            return family
+
+        return make
 
     def observe(self, s: StepStats) -> None:
         lane = s.lane
@@ -142,7 +140,7 @@ class Metrics:
         if s.num_step_tokens:
             self.lane_steps.labels(lane=lane).inc()
             self.lane_step_time.labels(lane=lane).inc(s.step_s)
-            if lane == "fast":
+            if lane == FAST:
                 self._observe_shared_step(s)
         for v in s.ttft_s:
             self.ttft.observe(v)

@@ -21,7 +21,7 @@ from api.errors import (
     from_decode_error,
 )
 from api.generation import Choice, Submission, max_tokens_for, sampling_params, stop_strings
-from api.lanes import REPRODUCIBLE, check_reproducible, resolve_lane
+from api.lanes import resolve_lane
 from api.schemas import (
     CHAT_DECODER,
     COMPLETION_DECODER,
@@ -177,8 +177,6 @@ async def chat_completions(request: Request) -> Response:
         params = sampling_params(
             req, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0, seed_offset=i
         )
-        if lane == REPRODUCIBLE:
-            check_reproducible(params)
         sub.add(ids, params, max_tokens, stops, ignore_eos=req.ignore_eos)
     sub.accepted()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -262,8 +260,6 @@ async def completions(request: Request) -> Response:
             params = sampling_params(
                 req, logprobs=want_lp, top_logprobs=req.logprobs or 0, seed_offset=i
             )
-            if lane == REPRODUCIBLE:
-                check_reproducible(params)
             sub.add(ids, params, max_tokens, stops, ignore_eos=req.ignore_eos)
     sub.accepted()
     n_prompt = sum(len(p) for p in prompts) * req.n

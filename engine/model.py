@@ -52,7 +52,6 @@ class Model:
         except ModelLoadError:
             ll.llama_model_free(self.model)
             raise
-        self.ctx = self.main.ctx
         self.n_ctx: int = self.main.n_ctx
         self.n_batch: int = self.main.n_batch
         self.n_seq_max: int = cfg.n_seq_max
@@ -148,7 +147,6 @@ class Model:
         for c in getattr(self, "contexts", []):
             c.close()
         self.contexts = []
-        self.ctx = None
         if getattr(self, "model", None):
             self.ll.llama_model_free(self.model)
             self.model = None

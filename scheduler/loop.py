@@ -29,13 +29,12 @@ from engine.errors import EngineError, KVCacheFull
 from engine.step_types import StepBatch, StepResult
 from scheduler.core import Scheduler, SchedulerOutput
 from scheduler.request import Request, RequestOutput
-from scheduler.stats import StepStats
+from scheduler.stats import FAST, StepStats
 
 log = logging.getLogger(__name__)
 
 StepFn = Callable[[StepBatch], StepResult]
 StatsSink = Callable[[StepStats], None]
-FAST = "fast"
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+FAST = "fast"  # the shared lane's name; other lanes are named by whoever adds them
+
 
 @dataclass(slots=True)
 class FinishedStats:
@@ -19,7 +21,7 @@ class FinishedStats:
 class StepStats:
     """One step's figures, plus the pool and queue state after it."""
 
-    lane: str = "fast"  # which lane stepped (scheduler.loop)
+    lane: str = FAST  # which lane stepped (scheduler.loop)
     num_running: int = 0
     num_waiting: int = 0
     kv_used: int = 0

@@ -548,6 +548,8 @@ def test_vectorised_greedy_matches_each_row_and_mixes_with_chains(open_engine: O
     for s, p in enumerate(prompts):
         idx += len(p)
         if params[s] is GREEDY:
-            row = np.ctypeslib.as_array(m.ll.llama_get_logits_ith(m.ctx, idx - 1), (m.n_vocab,))
+            row = np.ctypeslib.as_array(
+                m.ll.llama_get_logits_ith(m.main.ctx, idx - 1), (m.n_vocab,)
+            )
             assert res.sampled[s].token == int(row.argmax())
     assert set(res.sampled) == set(range(5))
