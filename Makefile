@@ -24,10 +24,15 @@ else
   LLAMA_PIP_FLAGS :=
 endif
 STAMP := $(VENV)/.installed-$(GPU)
+# The expert-telemetry callback (engine/expert_tap.py says why it is C); no link dependency.
+TAP := engine/native/libexpert_tap.so
 
 .PHONY: install serve test check bench bench-stall bench-repro model clean
 
-install: $(STAMP)
+install: $(STAMP) $(TAP)
+
+$(TAP): engine/native/expert_tap.c
+	$(CC) -O2 -Wall -Wextra -shared -fPIC -o $@ $<
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,10 +46,10 @@ $(STAMP): pyproject.toml
 model: $(STAMP)
 	$(PY) -c "from engine.default_model import default_model_path; print(default_model_path())"
 
-serve: $(STAMP) model
+serve: $(STAMP) $(TAP) model
 	$(VENV)/bin/one-gpu serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(TAP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 check: $(STAMP)
@@ -52,14 +57,14 @@ check: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-bench: $(STAMP) model
+bench: $(STAMP) $(TAP) model
 	$(PY) -m bench.compare $(BENCH_ARGS)
 
-bench-stall: $(STAMP) model
+bench-stall: $(STAMP) $(TAP) model
 	$(PY) -m bench.stall $(BENCH_ARGS)
 
-bench-repro: $(STAMP) model
+bench-repro: $(STAMP) $(TAP) model
 	$(PY) -m bench.repro $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(TAP) .mypy_cache .ruff_cache .pytest_cache

@@ -26,9 +26,12 @@ from api.errors import (
     error_response,
     handle_api_error,
 )
+from api.experts import ExpertTelemetry
+from api.experts import experts as experts_route
 from api.lanes import FAST, REPRODUCIBLE, fingerprints
 from api.metrics import CONTENT_TYPE, Metrics
 from api.openai_routes import chat_completions, completions, list_models
+from api.planning import Placement, describe
 from api.state import ServerSettings, ServerState, server_state
 from engine.chat_template import ChatTemplate
 from engine.model import Model
@@ -39,11 +42,17 @@ from scheduler.loop import EngineLoop
 log = logging.getLogger(__name__)
 
 
-def _load(settings: ServerSettings) -> tuple[Model, list[Engine]]:
+def _load(settings: ServerSettings) -> tuple[Model, list[Engine], Placement]:
     """The model, the fast lane's engine and, when configured, the reproducible lane's:
     its own context, one KV stream per slot (`kv_unified=false`), every sequence decoded
-    alone (`solo`) — see api.lanes."""
+    alone (`solo`) — see api.lanes. Also where the weights went."""
     model = Model(settings.engine)
+    placement = describe(
+        settings.engine, bool(model.ll.llama_supports_gpu_offload()), model.n_layer,
+        model.n_expert,
+    )  # fmt: skip
+    for device, (nbytes, n) in placement.placed.items():
+        log.info("weights on %s: %d tensors, %.2f GiB", device, n, nbytes / 2**30)
     engines = [Engine(model)]
     lanes = settings.lanes
     if lanes.slots > 0:
@@ -52,10 +61,12 @@ def _load(settings: ServerSettings) -> tuple[Model, list[Engine]]:
             device_greedy=False, n_ubatch=max(settings.engine.n_ubatch, lanes.chunk),
         )  # fmt: skip
         engines.append(Engine(model, ctx, solo=True))
-    return model, engines
+    return model, engines, placement
 
 
-def _state(settings: ServerSettings, model: Model, engines: list[Engine]) -> ServerState:
+def _state(
+    settings: ServerSettings, model: Model, engines: list[Engine], placement: Placement
+) -> ServerState:
     max_len = min(model.n_ctx, model.n_ctx_train or model.n_ctx)
     if settings.max_model_len:
         max_len = min(max_len, settings.max_model_len)
@@ -73,6 +84,14 @@ def _state(settings: ServerSettings, model: Model, engines: list[Engine]) -> Ser
     name = settings.served_model_name or Path(settings.engine.model_path).stem
     lanes = settings.lanes
     metrics = Metrics(name, (FAST, REPRODUCIBLE) if len(engines) > 1 else (FAST,))
+    plan = settings.plan
+    metrics.set_placement(
+        placement.placed, {"gpu": plan.budgets.vram, "ram": plan.budgets.ram} if plan else None
+    )
+    experts = None
+    if model.tap is not None and placement.experts is not None:
+        experts = ExpertTelemetry(model.tap, placement.experts)
+        metrics.add_expert_telemetry(experts.report)
     loop = EngineLoop(scheduler, engines[0].step, on_stats=metrics.observe)
     repro_len = 0
     if len(engines) > 1:
@@ -104,6 +123,7 @@ def _state(settings: ServerSettings, model: Model, engines: list[Engine]) -> Ser
         fingerprints=fingerprints(settings.engine, lanes),
         created=int(time.time()),
         aliases=frozenset({name, Path(settings.engine.model_path).name}),
+        experts=experts,
     )
 
 
@@ -152,8 +172,8 @@ class BearerAuth:
 def build_app(settings: ServerSettings) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        model, engines = await anyio.to_thread.run_sync(_load, settings)
-        state = _state(settings, model, engines)
+        model, engines, placement = await anyio.to_thread.run_sync(_load, settings)
+        state = _state(settings, model, engines, placement)
         app.state.server = state
         state.loop.start()
         log.info("serving %s (max_model_len=%d)", state.model_name, state.max_model_len)
@@ -172,6 +192,7 @@ def build_app(settings: ServerSettings) -> Starlette:
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/experts", experts_route, methods=["GET"]),
     ]
     app = Starlette(
         routes=routes,

@@ -1,14 +1,21 @@
-"""`one-gpu serve …`: parse options, build the app, run uvicorn."""
+"""`one-gpu serve|plan|experts …`: parse options; serve plans the placement, builds the
+app and runs uvicorn; plan prints (or saves) a placement; experts reads a server's
+router telemetry."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import sys
 from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.placement import CPU_MOE
+
+log = logging.getLogger("one-gpu")
+# Measured cost: docs/benchmarks.md ("Expert telemetry"); off (0) attaches nothing.
+DEFAULT_EXPERT_SAMPLE_RATE = 0.01
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,6 +48,15 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     s.add_argument("--cpu-moe", action="store_true",
                    help="keep every routed expert in host RAM (llama.cpp's --cpu-moe)")  # fmt: skip
+    _plan_options(s)
+    s.add_argument(
+        "--plan", type=Path, metavar="FILE",
+        help="apply a plan saved by `one-gpu plan --json` instead of planning",
+    )  # fmt: skip
+    s.add_argument(
+        "--expert-sample-rate", type=float, default=DEFAULT_EXPERT_SAMPLE_RATE,
+        help="share of steps whose MoE router choices are counted (0 = off, costs nothing)",
+    )  # fmt: skip
     s.add_argument(
         "--device-greedy", choices=["auto", "on", "off"], default="off",
         help="sample plain greedy requests inside the graph (auto: when on a GPU; "
@@ -62,16 +78,74 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=os.environ.get("ONEGPU_API_KEY"))
     s.add_argument("--drain-seconds", type=float, default=30.0, help="SIGTERM drain bound")
     s.add_argument("--log-level", default="info")
+
+    pl = sub.add_parser("plan", help="decide which tensors live on the GPU and which in RAM")
+    pl.add_argument("model", help="GGUF file")
+    _plan_options(pl)
+    pl.add_argument("--ctx", type=int, default=16384, help="context per sequence (tokens)")
+    pl.add_argument("--parallel", type=int, default=1, help="sequences holding that context")
+    pl.add_argument("--n-ubatch", type=int, default=512)
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+    ex = sub.add_parser("experts", help="a running server's most used experts and hot-set share")
+    ex.add_argument("--url", default="http://127.0.0.1:8090")
+    ex.add_argument("--top", type=int, default=20)
+    ex.add_argument("--json", action="store_true")
     return p
+
+
+def _plan_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--vram-budget", metavar="SIZE",
+        help="GPU memory the plan may use, e.g. 80GiB (default: the GPU's free memory)",
+    )  # fmt: skip
+    p.add_argument("--ram-budget", metavar="SIZE",
+                   help="host RAM the plan may use (default: MemAvailable)")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
+    if args.command == "plan":
+        sys.exit(_plan(args))
+    if args.command == "experts":
+        sys.exit(_experts(args))
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    import sys
+    _serve(args)
 
+
+def _plan(args: argparse.Namespace) -> int:
+    from api.planning import PlanRequest, plan_model
+    from engine.gguf_meta import read_meta
+    from engine.plan import PlanDoesNotFit, format_plan, plan_to_json
+
+    logging.basicConfig(level=logging.WARNING)
+    req = PlanRequest(
+        vram_budget=args.vram_budget, ram_budget=args.ram_budget,
+        kv_tokens=args.ctx * args.parallel, n_ubatch=args.n_ubatch, n_seq=args.parallel,
+    )  # fmt: skip
+    try:
+        plan = plan_model(read_meta(args.model), req)
+    except PlanDoesNotFit as e:
+        sys.stderr.write(f"one-gpu plan: does not fit\n{e}\n")
+        return 2
+    except ValueError as e:  # a budget that does not parse
+        sys.stderr.write(f"one-gpu plan: {e}\n")
+        return 2
+    sys.stdout.write(plan_to_json(plan).decode() + "\n" if args.json else format_plan(plan) + "\n")
+    return 0
+
+
+def _experts(args: argparse.Namespace) -> int:
+    from api.experts import fetch_report, format_report, report_json
+
+    r = fetch_report(args.url, args.top)
+    sys.stdout.write((report_json(r) if args.json else format_report(r)) + "\n")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     # The engine thread must get the GIL back at once when llama_decode returns; by default
@@ -100,7 +174,29 @@ def main(argv: list[str] | None = None) -> None:
         n_gpu_layers=args.n_gpu_layers,
         device_greedy={"auto": None, "on": True, "off": False}[args.device_greedy],
         cpu_tensors=tuple(args.cpu_experts) + ((CPU_MOE,) if args.cpu_moe else ()),
+        expert_sample_rate=args.expert_sample_rate,
     )
+    lanes = LaneOptions(
+        cpu_numerics=args.cpu_numerics,
+        slots=args.repro_slots,
+        ctx=-(-args.repro_ctx // 256) * 256,  # llama.cpp pads each stream to 256 cells
+        chunk=args.repro_chunk,
+    )
+    from api.planning import PlanRefused, PlanRequest, plan_for_serve
+    from engine.plan import format_plan
+
+    req = PlanRequest(
+        vram_budget=args.vram_budget, ram_budget=args.ram_budget,
+        kv_tokens=engine.n_ctx + lanes.slots * lanes.ctx, n_ubatch=engine.n_ubatch,
+        n_seq=engine.n_seq_max, contexts=2 if lanes.slots else 1,
+    )  # fmt: skip
+    try:
+        engine, plan = plan_for_serve(engine, req, args.plan)
+    except (PlanRefused, ValueError) as e:
+        log.error("not serving: %s", e)
+        sys.exit(2)
+    if plan is not None:
+        log.info("placement plan:\n%s", format_plan(plan))
     settings = ServerSettings(
         engine=engine,
         served_model_name=args.served_model_name,
@@ -112,12 +208,8 @@ def main(argv: list[str] | None = None) -> None:
         min_prefill_chunk=args.min_prefill_chunk,
         api_key=args.api_key,
         drain_s=args.drain_seconds,
-        lanes=LaneOptions(
-            cpu_numerics=args.cpu_numerics,
-            slots=args.repro_slots,
-            ctx=-(-args.repro_ctx // 256) * 256,  # llama.cpp pads each stream to 256 cells
-            chunk=args.repro_chunk,
-        ),
+        lanes=lanes,
+        plan=plan,
     )
     uvicorn.run(
         build_app(settings),

@@ -8,11 +8,14 @@ belongs to the app (no global default registry), so several apps can live in one
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from engine.expert_stats import ExpertReport
 from scheduler.stats import FAST, StepStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -114,6 +117,31 @@ class Metrics:
         info = Gauge("onegpu_model_info", "The served model", ["model"], registry=r)
         info.labels(model=model_name).set(1)
 
+    def set_placement(
+        self, placed: dict[str, tuple[int, int]], budgets: dict[str, int] | None
+    ) -> None:
+        """Where the weights live: `placed[device] = (bytes, tensors)` for "gpu" and
+        "ram"; `budgets[device]` the plan's budgets when a plan decided the layout."""
+        r = self.registry
+        size = Gauge("onegpu_placement_bytes", "Weight bytes by device", ["device"], registry=r)
+        count = Gauge(
+            "onegpu_placement_tensors", "Weight tensors by device", ["device"], registry=r
+        )
+        for device, (nbytes, n) in placed.items():
+            size.labels(device=device).set(nbytes)
+            count.labels(device=device).set(n)
+        if budgets:
+            budget = Gauge(
+                "onegpu_plan_budget_bytes", "The placement plan's memory budgets", ["device"],
+                registry=r,
+            )  # fmt: skip
+            for device, v in budgets.items():
+                budget.labels(device=device).set(v)
+
+    def add_expert_telemetry(self, source: Callable[[], ExpertReport]) -> None:
+        """Expert pick counters, read from `source` at each scrape (engine.expert_tap)."""
+        self.registry.register(_ExpertCollector(source))
+
     def _by_lane(self, kind: Any, lanes: tuple[str, ...]) -> Any:
         """A maker of `kind` families labelled by lane, each lane's series there at zero."""
 
@@ -177,3 +205,39 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _ExpertCollector:
+    """Turns the sampled router counts into series when Prometheus scrapes."""
+
+    def __init__(self, source: Callable[[], ExpertReport]) -> None:
+        self.source = source
+
+    def describe(self) -> list[Metric]:
+        return []  # series are known only at collect time; nothing to check at register
+
+    def collect(self) -> Iterator[Metric]:
+        r = self.source()
+        picks = CounterMetricFamily(
+            "onegpu_expert_picks",
+            "Sampled expert picks by where the expert's weights live (a layer split between "
+            "devices counts by its share of bytes)",
+            labels=["residence"],
+        )
+        picks.add_metric(["gpu"], r.gpu_picks)
+        picks.add_metric(["ram"], r.picks - r.gpu_picks)
+        yield picks
+        yield GaugeMetricFamily(
+            "onegpu_expert_gpu_pick_share",
+            "Share of sampled expert picks served by GPU-resident expert tensors",
+            value=r.gpu_pick_share,
+        )
+        yield GaugeMetricFamily(
+            "onegpu_expert_hot_set_pick_share",
+            "Share a per-expert hot set of the same VRAM would serve (the most picked experts)",
+            value=r.hot_set_pick_share,
+        )
+        yield CounterMetricFamily(
+            "onegpu_expert_sampled_steps", "Steps whose router choices were read",
+            value=r.sampled_steps,
+        )  # fmt: skip

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 
@@ -13,7 +14,11 @@ from api.metrics import Metrics
 from engine.chat_template import ChatTemplate
 from engine.config import EngineConfig
 from engine.model import Model
+from engine.plan import Plan
 from scheduler.loop import EngineLoop
+
+if TYPE_CHECKING:
+    from api.experts import ExpertTelemetry
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +34,7 @@ class ServerSettings:
     api_key: str | None = None
     drain_s: float = 30.0
     lanes: LaneOptions = field(default_factory=LaneOptions)
+    plan: Plan | None = None  # the placement plan applied (engine.cpu_tensors carries it)
 
 
 @dataclass(slots=True)
@@ -45,6 +51,7 @@ class ServerState:
     created: int
     draining: bool = False
     aliases: frozenset[str] = field(default_factory=frozenset)
+    experts: ExpertTelemetry | None = None  # router telemetry (MoE, sample rate > 0)
 
 
 def server_state(request: Request) -> ServerState:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+from bench.vram import VramPeak
+
 
 def run_batched_bench(
     exe: Path,
@@ -21,8 +23,11 @@ def run_batched_bench(
     threads: int,
     gpu: bool,
     log_path: Path,
+    extra: tuple[str, ...] = (),
+    vram: list[float] | None = None,
 ) -> dict[int, float]:
-    """Decode tok/s summed over N sequences (S_TG), by N."""
+    """Decode tok/s summed over N sequences (S_TG), by N. `extra`: more arguments (e.g.
+    `--n-cpu-moe 24`); `vram`, when given, receives the process's peak GPU MiB."""
     cmd = [
         str(exe),
         "-m",
@@ -48,10 +53,17 @@ def run_batched_bench(
         "-kvu",
         "-ngl",
         "99" if gpu else "0",
+        *extra,
     ]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    log_path.write_text(" ".join(cmd) + "\n" + out.stdout + out.stderr)
-    return parse(out.stdout)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with VramPeak(proc.pid) as peak:
+        stdout, stderr = proc.communicate()
+    log_path.write_text(" ".join(cmd) + "\n" + stdout + stderr)
+    if proc.returncode != 0:
+        raise subprocess.CalledProcessError(proc.returncode, cmd, stdout, stderr)
+    if vram is not None and peak.peak_mib is not None:
+        vram.append(peak.peak_mib)
+    return parse(stdout)
 
 
 def parse(table: str) -> dict[int, float]:

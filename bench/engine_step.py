@@ -30,7 +30,7 @@ MODES = {
 def measure(
     engine: Engine, n: int, params: SamplingParams, isl: int, steps: int
 ) -> dict[str, float]:
-    prompt = [1000 + i for i in range(isl)]
+    prompt = [(1000 + i) % engine.model.n_vocab for i in range(isl)]
     last: dict[int, int] = {}
     group = max(1, engine.n_batch // isl)  # prompts per prefill step, within n_batch
     for g in range(0, n, group):
@@ -52,6 +52,9 @@ def measure(
     step_ms = 1000 * statistics.median(wall)
     return {
         "step_ms": step_ms,
+        # The mean counts the rare slow steps (sampled telemetry) that the median hides.
+        "mean_ms": 1000 * statistics.fmean(wall),
+        "mean_tok_s": n * len(wall) / sum(wall),
         "decode_ms": 1000 * statistics.median(dec),
         "sample_ms": 1000 * statistics.median(smp),
         "tok_s": n / (step_ms / 1000),
@@ -66,27 +69,39 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--isl", type=int, default=128)
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--n-ctx", type=int, default=16384)
+    p.add_argument(
+        "--expert-sample-rates", type=float, nargs="+", default=[0.0],
+        help="router telemetry rates to compare (engine.expert_tap; 0 = off)",
+    )  # fmt: skip
+    p.add_argument("--repeats", type=int, default=1, help="alternate the rates this many times")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     n_max = max(args.concurrency)
-    print("| mode | N | step ms | llama_decode ms | sample ms | tok/s |")
-    print("|---|---|---|---|---|---|")
-    for mode in args.modes:
-        device, params = MODES[mode]
-        cfg = EngineConfig(
-            args.model, n_ctx=args.n_ctx, n_seq_max=n_max, n_batch=2048, device_greedy=device
-        )
-        with Model(cfg) as model:
-            engine = Engine(model)
-            measure(engine, 1, params, args.isl, 4)  # warm-up: graph allocation
-            for n in args.concurrency:
-                r = measure(engine, n, params, args.isl, args.steps)
-                print(
-                    f"| {mode} | {n} | {r['step_ms']:.2f} | {r['decode_ms']:.2f} | "
-                    f"{r['sample_ms']:.3f} | {r['tok_s']:.1f} |",
-                    flush=True,
-                )
-            engine.close()
+    print(
+        "| mode | expert sample rate | N | step ms | llama_decode ms | sample ms | tok/s "
+        "| mean step ms | tok/s over all steps |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for _ in range(args.repeats):
+        for mode in args.modes:
+            for rate in args.expert_sample_rates:
+                device, params = MODES[mode]
+                cfg = EngineConfig(
+                    args.model, n_ctx=args.n_ctx, n_seq_max=n_max, n_batch=2048,
+                    device_greedy=device, expert_sample_rate=rate,
+                )  # fmt: skip
+                with Model(cfg) as model:
+                    engine = Engine(model)
+                    measure(engine, 1, params, args.isl, 4)  # warm-up: graph allocation
+                    for n in args.concurrency:
+                        r = measure(engine, n, params, args.isl, args.steps)
+                        print(
+                            f"| {mode} | {rate:g} | {n} | {r['step_ms']:.2f} | "
+                            f"{r['decode_ms']:.2f} | {r['sample_ms']:.3f} | {r['tok_s']:.1f} | "
+                            f"{r['mean_ms']:.2f} | {r['mean_tok_s']:.1f} |",
+                            flush=True,
+                        )
+                    engine.close()
 
 
 if __name__ == "__main__":

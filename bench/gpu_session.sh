@@ -3,7 +3,10 @@
 # another, each into its own file under RESULTS. Meant to run detached (setsid nohup) so
 # it outlives one device call; each call copies RESULTS into $OUT.
 #   Usage: bench/gpu_session.sh WORKDIR RESULTS [STEP...]
-#   Steps: engine compare stall repro stall-cpumoe (default: all, in that order)
+#   Steps: engine compare stall repro stall-cpumoe (default: all, in that order); also
+#   quick variants, hybrid (issue 6: planner under a VRAM budget vs --n-cpu-moe) and
+#   tap-cost (router telemetry on/off, engine only). At the end every result file is
+#   concatenated into RESULTS/all.txt: the device returns only a few files.
 set -uo pipefail
 W=${1:?WORKDIR}; R=${2:?RESULTS}; shift 2
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(engine compare stall repro stall-cpumoe)
@@ -39,7 +42,14 @@ for s in "${steps[@]}"; do
     stall-ours) run stall python3 -m bench.stall --gpu --model "$MODEL" --prompt-tokens 65000 \
       --decoders 4 --no-peer ;;
     repro) run repro python3 -m bench.repro --model "$MODEL" --trials 20 --duration 10 ;;
+    hybrid) run hybrid python3 -m bench.hybrid --model "$MODEL" --peer-bin "$PEER_BIN" \
+      --vram-budget "${HYBRID_BUDGET:-half-experts}" --concurrency 1 4 8 ;;
+    tap-cost) run tapcost python3 -m bench.engine_step --model "$MODEL" --concurrency 1 8 32 \
+      --modes host-greedy --expert-sample-rates 0 0.01 0.02 --repeats 3 --steps 400 --n-ctx 24576 ;;
   esac
 done
 cp -r .bench/runs "$R/bench-runs" 2>/dev/null
+for f in "$R"/machine.txt "$R"/*.txt "$R"/*.log; do
+  [ "$f" = "$R/all.txt" ] || { echo "===== $(basename "$f")"; cat "$f"; }
+done > "$R/all.txt" 2>/dev/null
 date -u > "$R/done"

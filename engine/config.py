@@ -40,6 +40,9 @@ class EngineConfig:
     # Regexes of tensor names kept in host RAM whatever n_gpu_layers says (llama.cpp's
     # `-ot ...=CPU`); engine.placement.CPU_MOE is its `--cpu-moe`.
     cpu_tensors: tuple[str, ...] = ()
+    # Share of steps whose MoE router choices are read back (engine.expert_tap); 0 = off,
+    # and off attaches nothing to the context.
+    expert_sample_rate: float = 0.0
 
     def threads(self) -> tuple[int, int]:
         t = self.n_threads or default_threads()

@@ -19,6 +19,7 @@ import logging
 from typing import Any
 
 from engine.errors import ModelLoadError
+from engine.expert_tap import ExpertTap
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +43,10 @@ class Context:
         flash_attn: str,
         unified: bool,
         device_greedy: bool,
+        tap: ExpertTap | None = None,
     ) -> None:
         self.ll = ll
+        self.tap = tap  # router-choice telemetry (engine.expert_tap); the context borrows it
         self.n_slots = n_seq_max  # sequences the scheduler may run at once
         if device_greedy and 2 * n_seq_max > LLAMA_MAX_SEQ:
             log.warning("device greedy off: 2 x %d sequences exceed %d", n_seq_max, LLAMA_MAX_SEQ)
@@ -57,6 +60,8 @@ class Context:
         cparams.flash_attn_type = _FLASH[flash_attn]
         cparams.kv_unified = unified
         cparams.no_perf = True
+        if tap is not None:
+            tap.attach(cparams)
         self._chains: list[Any] = []
         if device_greedy:
             configs = (ll.llama_sampler_seq_config * n_seq_max)()
@@ -72,6 +77,8 @@ class Context:
         if not self.ctx:
             self._free_chains()
             raise ModelLoadError("llama.cpp could not create a context (out of memory?)")
+        if tap is not None:
+            tap.bind(self.ctx)
         self.device_greedy = device_greedy
         self.memory = ll.llama_get_memory(self.ctx)
         self.n_ctx: int = ll.llama_n_ctx(self.ctx)

@@ -15,6 +15,7 @@ from engine._capi import llama
 from engine.config import EngineConfig
 from engine.context import Context
 from engine.errors import ModelLoadError
+from engine.expert_tap import ExpertTap
 from engine.placement import CpuOverrides
 
 log = logging.getLogger(__name__)
@@ -43,11 +44,17 @@ class Model:
         self.n_vocab: int = ll.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train: int = ll.llama_model_n_ctx_train(self.model)
 
+        self.arch = self.meta_str("general.architecture") or ""
+        self.n_layer: int = ll.llama_model_n_layer(self.model)
+        self.n_expert = int(self.meta_str(f"{self.arch}.expert_count") or 0)
+        self.n_expert_used = int(self.meta_str(f"{self.arch}.expert_used_count") or 0)
+
         self.contexts: list[Context] = []
         try:
+            self.tap = self._expert_tap()
             self.main = self.open_context(
                 n_ctx=cfg.n_ctx, n_seq_max=cfg.n_seq_max, unified=True,  # admission by tokens
-                device_greedy=self._device_greedy(),
+                device_greedy=self._device_greedy(), tap=self.tap,
             )  # fmt: skip
         except ModelLoadError:
             ll.llama_model_free(self.model)
@@ -123,7 +130,22 @@ class Model:
         ptr = self.ll.llama_model_chat_template(self.model, None)
         return ptr.decode("utf-8") if ptr else None
 
+    def meta_str(self, key: str) -> str | None:
+        """A GGUF metadata value as llama.cpp renders it; None when the key is absent."""
+        buf = ctypes.create_string_buffer(256)
+        n = self.ll.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        return None if n < 0 else buf.value.decode("utf-8", "replace")
+
     # ---- contexts ---------------------------------------------------------------------
+    def _expert_tap(self) -> ExpertTap | None:
+        rate = self.cfg.expert_sample_rate
+        if rate <= 0 or self.n_expert == 0:
+            return None
+        return ExpertTap(
+            self.ll, n_layer=self.n_layer, n_expert=self.n_expert, n_ubatch=self.cfg.n_ubatch,
+            rate=rate,
+        )  # fmt: skip
+
     def _device_greedy(self) -> bool:
         if self.cfg.device_greedy is not None:
             return self.cfg.device_greedy
@@ -131,14 +153,14 @@ class Model:
 
     def open_context(
         self, *, n_ctx: int, n_seq_max: int, unified: bool, device_greedy: bool,
-        n_ubatch: int | None = None,
+        n_ubatch: int | None = None, tap: ExpertTap | None = None,
     ) -> Context:  # fmt: skip
         """A further context on these weights (freed with the model)."""
         cfg = self.cfg
         ctx = Context(
             self.ll, self.model, n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=cfg.n_batch,
             n_ubatch=n_ubatch or cfg.n_ubatch, threads=cfg.threads(),
-            flash_attn=cfg.flash_attn, unified=unified, device_greedy=device_greedy,
+            flash_attn=cfg.flash_attn, unified=unified, device_greedy=device_greedy, tap=tap,
         )  # fmt: skip
         self.contexts.append(ctx)
         return ctx

@@ -27,7 +27,7 @@ class _Override(ctypes.Structure):
     _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
 
 
-def _libggml(ll: Any) -> ctypes.CDLL:
+def libggml(ll: Any) -> ctypes.CDLL:
     """The libggml that libllama uses: by soname (already loaded, so the same copy)."""
     try:
         return ctypes.CDLL("libggml.so.0")
@@ -37,7 +37,7 @@ def _libggml(ll: Any) -> ctypes.CDLL:
 
 
 def cpu_buffer_type(ll: Any) -> int:
-    ggml = _libggml(ll)
+    ggml = libggml(ll)
     ggml.ggml_backend_dev_by_type.restype = ctypes.c_void_p
     ggml.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
     ggml.ggml_backend_dev_buffer_type.restype = ctypes.c_void_p

@@ -114,8 +114,13 @@ class Engine:
         self._out[:n] = 0
         self._out[[i for _, i in want]] = 1
         self._batch.n_tokens = n
+        tap = self.context.tap
+        if tap is not None:
+            tap.before_decode()
         t0 = time.perf_counter()
         rc = self.ll.llama_decode(self._ctx, self._batch)
+        if tap is not None:
+            tap.after_decode()
         raise_for_decode(rc)
         # GPU backends return before the graph has run; wait here so decode_s is the
         # compute and the rest of the step is truly ours.

@@ -285,6 +285,45 @@ def test_kv_pool_full_raises_and_keeps_the_cache(open_engine: OpenEngine) -> Non
     generate(eng, toks[:50], 2, seq_id=1)
 
 
+# ---- router telemetry -----------------------------------------------------------------------
+def test_expert_tap_counts_exactly_the_sampled_steps(tiny_models: dict[str, Path]) -> None:
+    """At a rate of 1/3, the first step and every third after it are read: each adds
+    n_used picks per computed row to every layer; the steps between add nothing (the
+    callback is off the scheduler, also when llama.cpp reuses the graph), and the tokens
+    are those of a model without telemetry."""
+    path = str(tiny_models["qwen3moe"])
+    model = Model(EngineConfig(path, n_ctx=256, n_threads=2, expert_sample_rate=1 / 3))
+    plain = Model(EngineConfig(path, n_ctx=256, n_threads=2))
+    try:
+        tap = model.tap
+        assert tap is not None
+        eng, ref = Engine(model), Engine(plain)
+        prompt = prompt_ids(eng)
+        used = model.n_expert_used
+        out = [prefill(eng, prompt).token]
+        first = tap.counts.sum(axis=1)
+        # All prompt rows pass the first layer; the last computes only the output row.
+        assert first[0] == used * len(prompt) and first[-1] == used
+        seen, sampled, idle_calls = tap.counts.sum(), [True], []
+        for i in range(1, 10):
+            calls = tap.calls
+            res = eng.step(StepBatch([SeqChunk(0, [out[-1]], len(prompt) + i - 1, True)]))
+            out.append(res.sampled[0].token)
+            now = tap.counts.sum()
+            sampled.append(now > seen)
+            assert now - seen in (0, used * model.n_layer)
+            seen = now
+            if i % 3 and i > 1:  # unarmed, on the graph llama.cpp reuses from the step before
+                idle_calls.append(tap.calls - calls)
+        assert idle_calls == [0] * 5  # the callback was off the scheduler
+        assert sampled == [i % 3 == 0 for i in range(10)]
+        assert tap.sampled_steps == 4
+        assert out == generate(ref, prompt, 10)
+    finally:
+        for m in (model, plain):
+            m.close()
+
+
 # ---- placement ------------------------------------------------------------------------------
 def test_expert_tensors_stay_in_host_ram_where_asked(
     tiny_models: dict[str, Path], caplog: pytest.LogCaptureFixture

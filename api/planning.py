@@ -1,0 +1,138 @@
+"""Placement before serving: `one-gpu plan`, and the plan `one-gpu serve` applies.
+
+The planner itself is pure (`engine.plan`); this module gathers its inputs — the GGUF's
+header (`engine.gguf_meta`), the GPU's free memory and the host's available RAM
+(`engine.devices`), the KV the server will reserve — and turns a plan into what the loader
+takes: regexes of the tensors to keep in host RAM (llama.cpp's tensor buffer-type
+overrides, `engine.placement`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine._capi import llama
+from engine.config import EngineConfig
+from engine.devices import available_ram, gpu_memory
+from engine.expert_stats import ExpertLayout, layout_of
+from engine.gguf_meta import ModelMeta, read_meta
+from engine.plan import (
+    Budgets,
+    Plan,
+    PlanDoesNotFit,
+    PlanOptions,
+    cpu_patterns,
+    make_plan,
+    parse_size,
+    plan_from_json,
+)
+
+log = logging.getLogger(__name__)
+
+
+class PlanRefused(Exception):
+    """No server starts: the plan does not fit, or a saved plan does not match the model."""
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRequest:
+    vram_budget: str | None = None  # SIZE; None = the GPU's free memory
+    ram_budget: str | None = None  # SIZE; None = MemAvailable
+    kv_tokens: int = 16384  # KV cells the server reserves, all sequences and lanes
+    n_ubatch: int = 512
+    n_seq: int = 1
+    contexts: int = 1  # 2 with the reproducible lane's own context
+
+
+def budgets(req: PlanRequest) -> Budgets:
+    """The request's budgets, measured on this host where not given."""
+    if req.vram_budget is not None:
+        vram = parse_size(req.vram_budget)
+    else:
+        gpus = gpu_memory(llama())
+        vram = gpus[0].free if gpus else 0
+    ram = parse_size(req.ram_budget) if req.ram_budget is not None else available_ram()
+    return Budgets(vram=vram, ram=ram)
+
+
+def plan_model(meta: ModelMeta, req: PlanRequest) -> Plan:
+    """Plan `meta` for this host; raises `PlanDoesNotFit` with the numbers."""
+    opts = PlanOptions(
+        kv_tokens=req.kv_tokens, n_ubatch=req.n_ubatch, n_seq=req.n_seq, contexts=req.contexts
+    )
+    return make_plan(meta, budgets(req), opts)
+
+
+def plan_for_serve(
+    cfg: EngineConfig, req: PlanRequest, plan_file: Path | None
+) -> tuple[EngineConfig, Plan | None]:
+    """Plan (or load a saved plan) and return the engine config that applies it.
+
+    No plan when the operator placed tensors by hand (`--cpu-experts`/`--cpu-moe`), or when
+    there is no GPU and no budget was given (everything is in host RAM anyway).
+    """
+    if plan_file is None and cfg.cpu_tensors:
+        log.info("tensor placement by hand (%s): not planning", " | ".join(cfg.cpu_tensors))
+        return cfg, None
+    meta = read_meta(cfg.model_path)
+    if plan_file is not None:
+        plan = plan_from_json(plan_file.read_bytes())
+        names = {t.name for t in meta.tensors}
+        missing = [t.name for t in plan.tensors if t.name not in names]
+        if missing or len(plan.tensors) != len(names):
+            raise PlanRefused(
+                f"{plan_file} is not a plan for {cfg.model_path}: "
+                f"{len(missing)} of its tensors are not in the model"
+            )
+    else:
+        on_gpu = cfg.n_gpu_layers != 0 and bool(llama().llama_supports_gpu_offload())
+        if not on_gpu and req.vram_budget is None:
+            log.info("no GPU: every tensor in host RAM, nothing to plan")
+            return cfg, None
+        try:
+            plan = plan_model(meta, req)
+        except PlanDoesNotFit as e:
+            raise PlanRefused(str(e)) from e
+    patterns = cpu_patterns(plan)
+    log.info("placement plan: %d tensors in host RAM", sum(t.device == "ram" for t in plan.tensors))
+    return _with_cpu_tensors(cfg, patterns), plan
+
+
+def _with_cpu_tensors(cfg: EngineConfig, patterns: tuple[str, ...]) -> EngineConfig:
+    from dataclasses import replace
+
+    return replace(cfg, cpu_tensors=patterns)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where the served weights are: bytes and tensor counts by device, the expert layout."""
+
+    placed: dict[str, tuple[int, int]]
+    experts: ExpertLayout | None
+
+
+def describe(cfg: EngineConfig, on_gpu_build: bool, n_layer: int, n_expert: int) -> Placement:
+    """The layout the loader was asked for. llama.cpp keeps the input embeddings
+    (`token_embd`) in host memory whatever the offload: they are looked up, not multiplied."""
+    meta = read_meta(cfg.model_path)
+    gpu = on_gpu_build and cfg.n_gpu_layers != 0
+    pats = [re.compile(p) for p in cfg.cpu_tensors]
+
+    def on_gpu(name: str) -> bool:
+        return gpu and not name.startswith("token_embd.") and not any(p.search(name) for p in pats)
+
+    placed = {"gpu": [0, 0], "ram": [0, 0]}
+    for t in meta.tensors:
+        slot = placed["gpu" if on_gpu(t.name) else "ram"]
+        slot[0] += t.nbytes
+        slot[1] += 1
+    layout = (
+        layout_of(((t.name, t.nbytes) for t in meta.tensors), n_layer, n_expert, on_gpu)
+        if n_expert
+        else None
+    )
+    return Placement({k: (v[0], v[1]) for k, v in placed.items()}, layout)

@@ -1,0 +1,183 @@
+"""Hybrid MoE serving on one GPU: a VRAM budget that leaves part of the experts in RAM.
+
+In one run, for each layout — all on the GPU; our planner under `--vram-budget`; every
+routed expert in host RAM (`--cpu-moe`) — it serves the model with our server and measures
+the all-N decode rate (N requests together, tokens per second while all N decode: what
+`llama-batched-bench` reports as S_TG), and runs `llama-batched-bench` with the matching
+llama.cpp placement: `--n-cpu-moe N` keeps the first N layers' experts on the CPU. For the
+budget row it tries the N our plan implies and one layer fewer, and reports which of them
+fit the budget by their measured VRAM peak. VRAM is the process's own, from nvidia-smi.
+
+    python3 -m bench.hybrid --model M.gguf --peer-bin DIR --vram-budget 10GiB
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.batched_bench import run_batched_bench
+from bench.compare import Setup, warm_up
+from bench.loadgen import run_lockstep
+from bench.vram import VramPeak
+
+log = logging.getLogger("bench")
+GREEDY = {"temperature": 0}
+
+
+@dataclass
+class Row:
+    layout: str
+    ours_args: list[str]
+    peers: list[tuple[str, list[str]]]  # (label, llama-batched-bench extra args)
+    ours: dict[int, float] = field(default_factory=dict)
+    ours_vram: float | None = None
+    peer: dict[str, dict[int, float]] = field(default_factory=dict)
+    peer_vram: dict[str, float | None] = field(default_factory=dict)
+
+
+def _plan_cpu_layers(model: Path, budget: str, kv_tokens: int, n_seq: int) -> tuple[str, int, str]:
+    """The budget in bytes (`half-experts`: the non-expert part, the reserves and half the
+    routed experts' bytes), the layers whose experts our plan does not hold entirely on the
+    GPU (llama.cpp's `--n-cpu-moe` N for the same budget), and the plan's table."""
+    from api.planning import PlanRequest, plan_model
+    from engine.gguf_meta import read_meta
+    from engine.plan import PlanOptions, format_plan, vram_for_expert_share
+
+    meta = read_meta(model)
+    if budget == "half-experts":
+        opts = PlanOptions(kv_tokens=kv_tokens, n_seq=n_seq)
+        budget = str(vram_for_expert_share(meta, opts, 0.5))
+    plan = plan_model(meta, PlanRequest(vram_budget=budget, kv_tokens=kv_tokens, n_seq=n_seq))
+    moe_layers = {int(t.name.split(".")[1]) for t in plan.tensors if "_exps" in t.name}
+    return budget, len(moe_layers) - plan.expert_layers_on_gpu, format_plan(plan)
+
+
+def run(args: argparse.Namespace) -> list[Row]:
+    model = Path(args.model)
+    conc = args.concurrency
+    setup = Setup(
+        model=model,
+        name="bench-model",
+        n_ctx=max(4096, max(conc) * (args.isl + args.osl + 64)),
+        n_parallel=max(conc),
+        threads=args.threads or (os.cpu_count() or 1),
+        gpu=True,
+    )
+    budget, n_cpu, plan_text = _plan_cpu_layers(
+        model, args.vram_budget, setup.n_ctx, setup.n_parallel
+    )
+    args.vram_budget = budget
+    print(plan_text, flush=True)
+    rows = [
+        Row("all on the GPU", [], [("n-cpu-moe 0", [])]),
+        Row(
+            f"planned, --vram-budget {args.vram_budget}",
+            ["--vram-budget", args.vram_budget],
+            [(f"n-cpu-moe {n}", ["--n-cpu-moe", str(n)]) for n in (n_cpu, n_cpu - 1) if n >= 0],
+        ),
+        Row("experts in RAM (--cpu-moe)", ["--cpu-moe"], [("cpu-moe", ["--cpu-moe"])]),
+    ]
+    bin_dir = Path(args.peer_bin)
+    run_dir = Path(args.cache) / "runs" / ("hybrid-" + time.strftime("%Y%m%d-%H%M%S"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for i, row in enumerate(rows):
+        setup.ours_extra = ["--repro-slots", "0", *args.ours_args.split(), *row.ours_args]
+        srv = setup.ours(run_dir / f"ours-{i}.log")
+        try:
+            with VramPeak(srv.proc.pid) as peak:
+                warm_up(srv, setup.name)
+                for n in conc:
+                    row.ours[n] = asyncio.run(
+                        run_lockstep(
+                            srv.base_url, model=setup.name, concurrency=n, waves=args.waves,
+                            isl=args.isl, osl=args.osl, sampling=GREEDY,
+                        )
+                    )  # fmt: skip
+                    print(f"ours  {row.layout} N={n}: {row.ours[n]:.1f} tok/s", flush=True)
+            row.ours_vram = peak.peak_mib
+            if row.ours_args:
+                _print_pick_share(srv.url, row.layout)
+        finally:
+            srv.stop()
+        for label, extra in row.peers:
+            vram: list[float] = []
+            row.peer[label] = run_batched_bench(
+                bin_dir / "llama-batched-bench", model, npl=conc, isl=args.isl, osl=args.osl,
+                n_ctx=setup.n_ctx, threads=setup.threads, gpu=True,
+                log_path=run_dir / f"batched-{i}-{label.replace(' ', '_')}.log",
+                extra=tuple(extra), vram=vram,
+            )  # fmt: skip
+            row.peer_vram[label] = vram[0] if vram else None
+            print(f"peer  {label}: {row.peer[label]} (VRAM {row.peer_vram[label]})", flush=True)
+    return rows
+
+
+def _print_pick_share(url: str, layout: str) -> None:
+    """What the router telemetry saw during the run (the server samples 2% of steps)."""
+    from api.experts import fetch_report
+
+    try:
+        r = fetch_report(url, 5)
+    except Exception as e:  # telemetry off, or not an MoE model: the run still counts
+        print(f"experts {layout}: no telemetry ({e})", flush=True)
+        return
+    print(
+        f"experts {layout}: {r.sampled_steps} sampled steps, GPU pick share "
+        f"{r.gpu_pick_share:.3f}, hot-set share {r.hot_set_pick_share:.3f}",
+        flush=True,
+    )
+
+
+def report(rows: list[Row], budget_mib: float) -> str:
+    out = [
+        "| layout | N | ours tok/s | ours VRAM MiB | llama-batched-bench | its tok/s "
+        "| its VRAM MiB | fits budget | ours/it |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        for label, rates in row.peer.items():
+            pv = row.peer_vram.get(label)
+            fits = "yes" if pv is not None and pv <= budget_mib else "no"
+            for n, ours in sorted(row.ours.items()):
+                theirs = rates.get(n, 0.0)
+                ratio = f"{ours / theirs:.2f}" if theirs else "-"
+                ov = f"{row.ours_vram:.0f}" if row.ours_vram is not None else "-"
+                pvs = f"{pv:.0f}" if pv is not None else "-"
+                out.append(
+                    f"| {row.layout} | {n} | {ours:.1f} | {ov} | {label} | {theirs:.1f} | {pvs} "
+                    f"| {fits} | {ratio} |"
+                )
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--peer-bin", required=True, help="folder with llama-batched-bench")
+    p.add_argument(
+        "--vram-budget", required=True,
+        help="e.g. 10GiB, or half-experts: room for about half the routed experts",
+    )  # fmt: skip
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
+    p.add_argument("--isl", type=int, default=128)
+    p.add_argument("--osl", type=int, default=64)
+    p.add_argument("--waves", type=int, default=2)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--ours-args", default="")
+    p.add_argument("--cache", default=".bench")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    from engine.plan import parse_size
+
+    rows = run(args)
+    print(report(rows, parse_size(args.vram_budget) / 2**20))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""What the host offers a plan: the GPU's free memory and the RAM the kernel can give us.
+
+GPU memory comes from ggml's backend device API (`ggml_backend_dev_memory`), through the
+libggml that llama.cpp itself loaded — the same devices llama.cpp will allocate on, and no
+text parsing of nvidia-smi. RAM is `MemAvailable` from /proc/meminfo: the kernel's own
+estimate of what can be allocated without swapping (free pages plus reclaimable cache);
+no system call reports it, and `sysconf(_SC_AVPHYS_PAGES)` counts free pages only, which
+on a machine with a warm page cache badly understates what a server can use.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.placement import libggml
+
+_GPU_TYPES = (1, 2)  # GGML_BACKEND_DEVICE_TYPE_GPU, GGML_BACKEND_DEVICE_TYPE_IGPU
+
+
+@dataclass(frozen=True, slots=True)
+class GpuMemory:
+    name: str
+    free: int
+    total: int
+
+
+def gpu_memory(ll: Any) -> list[GpuMemory]:
+    """Free and total memory of each GPU ggml can use (empty on a CPU-only build)."""
+    g = libggml(ll)
+    g.ggml_backend_dev_count.restype = ctypes.c_size_t
+    g.ggml_backend_dev_get.restype = ctypes.c_void_p
+    g.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    g.ggml_backend_dev_type.restype = ctypes.c_int
+    g.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+    g.ggml_backend_dev_name.restype = ctypes.c_char_p
+    g.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
+    g.ggml_backend_dev_memory.restype = None
+    g.ggml_backend_dev_memory.argtypes = [
+        ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)
+    ]  # fmt: skip
+    out = []
+    for i in range(g.ggml_backend_dev_count()):
+        dev = g.ggml_backend_dev_get(i)
+        if g.ggml_backend_dev_type(dev) not in _GPU_TYPES:
+            continue
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        g.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        out.append(GpuMemory(g.ggml_backend_dev_name(dev).decode(), free.value, total.value))
+    return out
+
+
+def available_ram(meminfo: Path = Path("/proc/meminfo")) -> int:
+    """Bytes the kernel reports as available (MemAvailable)."""
+    for line in meminfo.read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise OSError(f"no MemAvailable in {meminfo}")

@@ -1,0 +1,273 @@
+"""The placement planner (pure): the reference's own case, refusals with their numbers,
+budgets never exceeded over random shapes, the regexes that apply a plan, saved plans,
+sizes, and the header reader on a real GGUF."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.gguf_meta import ModelMeta, TensorInfo, kv_bytes_per_token, read_meta
+from engine.plan import (
+    Budgets,
+    GiB,
+    Plan,
+    PlanDoesNotFit,
+    PlanOptions,
+    cpu_patterns,
+    format_plan,
+    make_plan,
+    parse_size,
+    plan_from_json,
+    plan_to_json,
+    vram_for_expert_share,
+)
+from tests.tiny_gguf import Shape, write_qwen3moe
+
+GB = 10**9
+EXPERT = re.compile(r"_(ch|)exps\.")
+
+
+def _t(name: str, shape: tuple[int, ...], bytes_per_param: float, ggml_type: str) -> TensorInfo:
+    n = 1
+    for d in shape:
+        n *= d
+    return TensorInfo(
+        name=name, ggml_type=ggml_type, nbytes=round(n * bytes_per_param), shape=shape
+    )
+
+
+def deepseek_like() -> ModelMeta:
+    """A DeepSeek-V4.1-Flash-like header: 763B parameters, 3 dense then 44 MoE layers of
+    384 routed experts (6 used) plus a shared expert, multi-head latent attention; routed
+    experts in Q2_K, attention projections in F16 but the output one, the rest in Q8_0 —
+    264.5 GB in all."""
+    q2k, q8, f16 = 84 / 256, 34 / 32, 2.0
+    E, V, X, F, FD = 7168, 129280, 384, 2048, 18432
+    ts = [
+        _t("token_embd.weight", (E, V), q8, "Q8_0"),
+        _t("output_norm.weight", (E,), 4, "F32"),
+        _t("output.weight", (E, V), q8, "Q8_0"),
+    ]
+    for i in range(47):
+        b = f"blk.{i}."
+        ts += [
+            _t(b + "attn_norm.weight", (E,), 4, "F32"),
+            _t(b + "attn_q_a.weight", (E, 1536), f16, "F16"),
+            _t(b + "attn_q_b.weight", (1536, 24576), f16, "F16"),
+            _t(b + "attn_kv_a_mqa.weight", (E, 576), f16, "F16"),
+            _t(b + "attn_kv_b.weight", (512, 32768), f16, "F16"),
+            _t(b + "attn_output.weight", (16384, E), q8, "Q8_0"),
+            _t(b + "ffn_norm.weight", (E,), 4, "F32"),
+        ]
+        if i < 3:
+            ts += [_t(b + f"ffn_{w}.weight", (E, FD), q8, "Q8_0") for w in ("gate", "up", "down")]
+            continue
+        ts.append(_t(b + "ffn_gate_inp.weight", (E, X), 4, "F32"))
+        ts += [_t(b + f"ffn_{w}_shexp.weight", (E, F), q8, "Q8_0") for w in ("gate", "up", "down")]
+        ts += [_t(b + f"ffn_{w}_exps.weight", (E, F, X), q2k, "Q2_K") for w in ("gate", "up")]
+        ts.append(_t(b + "ffn_down_exps.weight", (F, E, X), q2k * 1.035, "Q2_K"))
+    return ModelMeta(
+        arch="deepseek2", name="DeepSeek-V4.1-Flash-like", n_layer=47, n_expert=X,
+        n_expert_used=6, n_embd=E, n_vocab=V,
+        kv_bytes_per_token=kv_bytes_per_token(47, 128, 192, 128, kv_lora_rank=512, rope_dim=64),
+        tensors=tuple(ts),
+    )  # fmt: skip
+
+
+REFERENCE_OPTS = PlanOptions(kv_tokens=4 * 65536, n_ubatch=512, n_seq=4)
+
+
+def _assert_within(plan: Plan) -> None:
+    assert plan.vram_used <= plan.budgets.vram
+    assert plan.ram_used <= plan.budgets.ram
+
+
+def test_reference_case_fits_with_the_non_expert_part_on_the_gpu() -> None:
+    meta = deepseek_like()
+    assert abs(meta.n_params - 763e9) / 763e9 < 0.01
+    assert abs(meta.nbytes - 264.5 * GB) / (264.5 * GB) < 0.01
+    plan = make_plan(meta, Budgets(vram=96 * GB, ram=280 * GB), REFERENCE_OPTS)
+    _assert_within(plan)
+    for t in plan.tensors:
+        if not EXPERT.search(t.name) and t.name != "token_embd.weight":
+            assert t.device == "gpu", t.name
+    experts = [t for t in plan.tensors if EXPERT.search(t.name)]
+    on_gpu = sum(t.nbytes for t in experts if t.device == "gpu")
+    # The GPU is filled: what is left of the budget cannot hold one more expert tensor.
+    left = plan.budgets.vram - plan.vram_used
+    assert on_gpu > 40 * GB and all(t.nbytes > left for t in experts if t.device == "ram")
+    # Whole layers from the last one down (llama.cpp's --n-cpu-moe keeps the first N).
+    assert plan.expert_layers_on_gpu > 0
+    last = [t for t in experts if t.name.startswith("blk.46.")]
+    assert all(t.device == "gpu" for t in last)
+    text = format_plan(plan)
+    assert "routed experts" in text and "of 89.41 GiB budget" in text
+
+
+def test_reference_model_on_128_gb_of_ram_is_refused_with_the_numbers() -> None:
+    meta = deepseek_like()
+    with pytest.raises(PlanDoesNotFit) as e:
+        make_plan(meta, Budgets(vram=96 * GB, ram=128 * GB), REFERENCE_OPTS)
+    err = e.value
+    assert err.resource == "RAM" and err.available == 128 * GB
+    # Needed: everything the GPU cannot take, plus host buffers and the margin.
+    fits = make_plan(meta, Budgets(vram=96 * GB, ram=10**15), REFERENCE_OPTS)
+    assert err.needed == fits.ram_used and err.shortfall == fits.ram_used - 128 * GB
+    msg = str(err)
+    assert f"short by {err.shortfall / GiB:.2f} GiB" in msg and "more host RAM" in msg
+
+
+def test_a_gpu_too_small_for_the_non_expert_part_and_kv_is_refused() -> None:
+    meta = deepseek_like()
+    with pytest.raises(PlanDoesNotFit) as e:
+        make_plan(meta, Budgets(vram=24 * GB, ram=600 * GB), REFERENCE_OPTS)
+    err = e.value
+    assert err.resource == "VRAM" and err.shortfall > 0
+    # The KV cache for 256K tokens is part of what is needed; fewer tokens would fit.
+    assert "KV cache" in str(err) and "smaller context" in str(err)
+    m = re.search(r"at most (\d+) KV tokens", str(err))
+    assert m is not None
+    fits = int(m.group(1))
+    assert 0 < fits < REFERENCE_OPTS.kv_tokens
+    opts = msgspec.structs.replace(REFERENCE_OPTS, kv_tokens=fits)
+    make_plan(meta, Budgets(vram=24 * GB, ram=600 * GB), opts)  # the advice holds
+    with pytest.raises(PlanDoesNotFit):
+        make_plan(
+            meta,
+            Budgets(vram=24 * GB, ram=600 * GB),
+            msgspec.structs.replace(REFERENCE_OPTS, kv_tokens=fits + 1),
+        )
+
+
+# ---- property tests over random shapes and budgets -------------------------------------------
+@st.composite
+def metas(draw: st.DrawFn) -> ModelMeta:
+    n_layer = draw(st.integers(1, 12))
+    n_expert = draw(st.sampled_from([0, 4, 8, 64]))
+    used = draw(st.integers(1, max(1, n_expert // 2))) if n_expert else 0
+    size = st.integers(1, 5 * 10**8)
+    ts = [TensorInfo("token_embd.weight", "Q8_0", draw(size), (1, 1))]
+    ts.append(TensorInfo("output.weight", "Q8_0", draw(size), (1, 1)))
+    for i in range(n_layer):
+        ts.append(TensorInfo(f"blk.{i}.attn_q.weight", "F16", draw(size), (1, 1)))
+        ts.append(TensorInfo(f"blk.{i}.attn_norm.weight", "F32", draw(st.integers(1, 10**5)), (1,)))
+        if n_expert and draw(st.booleans() | st.just(True)):
+            kinds = draw(st.sampled_from([("gate", "up", "down"), ("gate_up", "down")]))
+            ts += [
+                TensorInfo(f"blk.{i}.ffn_{w}_exps.weight", "Q4_0", draw(size), (1, 1, n_expert))
+                for w in kinds
+            ]
+        else:
+            ts.append(TensorInfo(f"blk.{i}.ffn_up.weight", "Q4_0", draw(size), (1, 1)))
+    return ModelMeta(
+        arch="test", name="random", n_layer=n_layer, n_expert=n_expert, n_expert_used=used,
+        n_embd=draw(st.integers(64, 8192)), n_vocab=draw(st.integers(256, 200_000)),
+        kv_bytes_per_token=draw(st.integers(1, 400_000)), tensors=tuple(ts),
+    )  # fmt: skip
+
+
+@given(
+    meta=metas(),
+    vram=st.integers(0, 64 * GiB),
+    ram=st.integers(0, 64 * GiB),
+    kv_tokens=st.integers(0, 200_000),
+    n_ubatch=st.sampled_from([32, 512, 2048]),
+)
+@settings(max_examples=300, deadline=None)
+def test_plans_never_exceed_either_budget_and_patterns_select_exactly_the_ram_tensors(
+    meta: ModelMeta, vram: int, ram: int, kv_tokens: int, n_ubatch: int
+) -> None:
+    opts = PlanOptions(kv_tokens=kv_tokens, n_ubatch=n_ubatch)
+    budgets = Budgets(vram=vram, ram=ram)
+    try:
+        plan = make_plan(meta, budgets, opts)
+    except PlanDoesNotFit as e:
+        assert e.needed > e.available and e.shortfall == e.needed - e.available
+        # Refused only when the minimum layout (or the most the GPU can take) truly fails.
+        if e.resource == "VRAM":
+            dense = sum(
+                t.nbytes for t in meta.tensors
+                if not EXPERT.search(t.name) and t.name != "token_embd.weight"
+            )  # fmt: skip
+            assert e.needed == vram_for_expert_share(meta, opts, 0.0) and e.needed > vram
+            assert dense <= e.needed
+        else:
+            assert e.resource == "RAM" and e.available == ram
+        return
+    _assert_within(plan)
+    assert [t.name for t in plan.tensors] == [t.name for t in meta.tensors]
+    left = vram - plan.vram_used
+    for t in plan.tensors:
+        if EXPERT.search(t.name):
+            assert t.device == "gpu" or t.nbytes > left  # nothing that fits is left in RAM
+        else:
+            assert t.device == ("ram" if t.name == "token_embd.weight" else "gpu")
+    pats = [re.compile(p) for p in cpu_patterns(plan)]
+    for t in plan.tensors:
+        if t.name != "token_embd.weight":
+            assert any(p.search(t.name) for p in pats) == (t.device == "ram"), t.name
+    assert plan_from_json(plan_to_json(plan)) == plan
+
+
+def test_half_expert_budget_places_about_half_the_expert_bytes() -> None:
+    meta = deepseek_like()
+    opts = PlanOptions(kv_tokens=8192)
+    plan = make_plan(meta, Budgets(vram_for_expert_share(meta, opts, 0.5), 10**15), opts)
+    experts = [t for t in plan.tensors if EXPERT.search(t.name)]
+    share = sum(t.nbytes for t in experts if t.device == "gpu") / sum(t.nbytes for t in experts)
+    assert 0.49 < share <= 0.5
+
+
+def test_a_saved_plan_round_trips_and_a_malformed_one_is_rejected() -> None:
+    meta = deepseek_like()
+    plan = make_plan(meta, Budgets(vram=96 * GB, ram=280 * GB), REFERENCE_OPTS)
+    again = plan_from_json(plan_to_json(plan))
+    assert again == plan and cpu_patterns(again) == cpu_patterns(plan)
+    with pytest.raises(ValueError):
+        plan_from_json(b'{"model": "x"}')
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("80GiB", 80 * 2**30),
+        ("80G", 80 * 2**30),
+        ("80GB", 80 * 10**9),
+        ("512M", 512 * 2**20),
+        ("1.5T", round(1.5 * 2**40)),
+        ("96 gb", 96 * 10**9),
+        ("123", 123),
+        ("4kib", 4096),
+    ],
+)
+def test_sizes_parse_with_binary_and_decimal_units(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "12 apples", "-3G", "1.2.3G"])
+def test_a_size_that_does_not_parse_is_refused_with_an_example(text: str) -> None:
+    with pytest.raises(ValueError, match=r"e\.g\. 80GiB"):
+        parse_size(text)
+
+
+def test_the_header_of_a_real_gguf_is_read(tmp_path: Path) -> None:
+    s = Shape()
+    meta = read_meta(write_qwen3moe(tmp_path / "m.gguf", shape=s))
+    assert (meta.arch, meta.n_layer, meta.n_expert, meta.n_expert_used) == (
+        "qwen3moe", s.n_layer, s.n_expert, s.n_expert_used,
+    )  # fmt: skip
+    assert meta.n_embd == s.n_embd and meta.n_vocab > 256
+    assert meta.kv_bytes_per_token == s.n_layer * s.n_head_kv * 2 * s.head_dim * 2
+    by_name = {t.name: t for t in meta.tensors}
+    gate = by_name["blk.0.ffn_gate_exps.weight"]
+    assert gate.shape == (s.n_embd, s.n_ff_exp, s.n_expert) and gate.ggml_type == "F32"
+    assert gate.nbytes == s.n_embd * s.n_ff_exp * s.n_expert * 4
+    # The byte sizes add up to the file's tensor data (the rest is header and alignment).
+    size = (tmp_path / "m.gguf").stat().st_size
+    assert 0 < size - meta.nbytes < 64 * 1024
