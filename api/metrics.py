@@ -87,6 +87,12 @@ class Metrics:
             "and per prompt token prompt_token_s + prompt_token_per_kv_cell_s * KV depth",
             ["term"], registry=r,
         )  # fmt: skip
+        self.cost_bias = Gauge(
+            "onegpu_cost_model_bias",
+            "Measured / modelled time of recent steps the budget planned; chunks are sized "
+            "for --max-stall-ms divided by it",
+            registry=r,
+        )
         self.step_seqs = Histogram(
             "onegpu_step_sequences", "Sequences sharing one step", buckets=_SEQS, registry=r
         )
@@ -186,7 +192,10 @@ class Metrics:
         if s.num_step_prompt_tokens:
             self.step_prompt_tokens.observe(s.num_step_prompt_tokens)
         for term, v in s.cost_model.items():
-            self.cost_model.labels(term=term).set(v)
+            if term == "bias":
+                self.cost_bias.set(v)
+            else:
+                self.cost_model.labels(term=term).set(v)
         self.step_tokens.observe(s.num_step_tokens)
         self.step_seqs.observe(s.num_step_seqs)
         self.step_time.observe(s.step_s)

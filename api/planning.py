@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine._capi import llama
@@ -96,15 +96,8 @@ def plan_for_serve(
             plan = plan_model(meta, req)
         except PlanDoesNotFit as e:
             raise PlanRefused(str(e)) from e
-    patterns = cpu_patterns(plan)
     log.info("placement plan: %d tensors in host RAM", sum(t.device == "ram" for t in plan.tensors))
-    return _with_cpu_tensors(cfg, patterns), plan
-
-
-def _with_cpu_tensors(cfg: EngineConfig, patterns: tuple[str, ...]) -> EngineConfig:
-    from dataclasses import replace
-
-    return replace(cfg, cpu_tensors=patterns)
+    return replace(cfg, cpu_tensors=cpu_patterns(plan)), plan
 
 
 @dataclass(frozen=True, slots=True)

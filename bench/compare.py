@@ -57,6 +57,21 @@ class Setup:
     n_batch: int = 2048
     n_ubatch: int = 512
 
+    @classmethod
+    def sized(
+        cls, model: Path, conc: list[int], isl: int, osl: int, threads: int, gpu: bool
+    ) -> Setup:
+        """Both servers' settings for `conc` users of isl + osl tokens: N slots, a context
+        that holds all of them (at least 4096), all cores unless `threads` is given."""
+        return cls(
+            model=model,
+            name="bench-model",
+            n_ctx=max(4096, max(conc) * (isl + osl + 64)),
+            n_parallel=max(conc),
+            threads=threads or (os.cpu_count() or 1),
+            gpu=gpu,
+        )
+
     def ours(self, log_path: Path) -> Server:
         return start_server(
             [
@@ -180,15 +195,8 @@ def run(args: argparse.Namespace) -> tuple[Results, Setup]:
     aiperf = ensure_aiperf(cache) if args.loadgen == "aiperf" else None
     tokenizer = ensure_tokenizer(aiperf, model, cache) if aiperf else None
     conc = args.concurrency
-    setup = Setup(
-        model=model,
-        name="bench-model",
-        n_ctx=max(4096, max(conc) * (args.isl + args.osl + 64)),
-        n_parallel=max(conc),
-        threads=args.threads or (os.cpu_count() or 1),
-        gpu=gpu,
-        ours_extra=args.ours_args.split(),
-    )
+    setup = Setup.sized(model, conc, args.isl, args.osl, args.threads, gpu)
+    setup.ours_extra = args.ours_args.split()
     run_dir = cache / "runs" / time.strftime("%Y%m%d-%H%M%S")
     res = Results()
     for rep in range(args.repeats):

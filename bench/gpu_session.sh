@@ -4,7 +4,8 @@
 # it outlives one device call; each call copies RESULTS into $OUT.
 #   Usage: bench/gpu_session.sh WORKDIR RESULTS [STEP...]
 #   Steps: engine compare stall repro stall-cpumoe (default: all, in that order); also
-#   quick variants, hybrid (issue 6: planner under a VRAM budget vs --n-cpu-moe) and
+#   quick variants, hybrid (issue 6: planner under a VRAM budget vs --n-cpu-moe),
+#   hybrid-levers (the planned layout with --threads 15, and with telemetry off) and
 #   tap-cost (router telemetry on/off, engine only). At the end every result file is
 #   concatenated into RESULTS/all.txt: the device returns only a few files.
 set -uo pipefail
@@ -43,7 +44,13 @@ for s in "${steps[@]}"; do
       --decoders 4 --no-peer ;;
     repro) run repro python3 -m bench.repro --model "$MODEL" --trials 20 --duration 10 ;;
     hybrid) run hybrid python3 -m bench.hybrid --model "$MODEL" --peer-bin "$PEER_BIN" \
-      --vram-budget "${HYBRID_BUDGET:-half-experts}" --concurrency 1 4 8 ;;
+      --vram-budget "${HYBRID_BUDGET:-half-experts}" --concurrency 1 4 8 --repeats 2 ;;
+    hybrid-levers)  # the planned layout with one lever each: a core left to Python; no telemetry
+      run hybrid-t15 python3 -m bench.hybrid --model "$MODEL" --peer-bin "$PEER_BIN" \
+        --vram-budget half-experts --concurrency 1 4 8 --layouts planned --ours-args "--threads 15"
+      run hybrid-notap python3 -m bench.hybrid --model "$MODEL" --peer-bin "$PEER_BIN" \
+        --vram-budget half-experts --concurrency 1 4 8 --layouts planned \
+        --ours-args "--expert-sample-rate 0" ;;
     tap-cost) run tapcost python3 -m bench.engine_step --model "$MODEL" --concurrency 1 8 32 \
       --modes host-greedy --expert-sample-rates 0 0.01 0.02 --repeats 3 --steps 400 --n-ctx 24576 ;;
   esac

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,9 +35,9 @@ class Row:
     layout: str
     ours_args: list[str]
     peers: list[tuple[str, list[str]]]  # (label, llama-batched-bench extra args)
-    ours: dict[int, float] = field(default_factory=dict)
-    ours_vram: float | None = None
-    peer: dict[str, dict[int, float]] = field(default_factory=dict)
+    ours: dict[int, list[float]] = field(default_factory=dict)  # one figure per repeat
+    ours_vram: float | None = None  # the highest peak over repeats
+    peer: dict[str, dict[int, list[float]]] = field(default_factory=dict)
     peer_vram: dict[str, float | None] = field(default_factory=dict)
 
 
@@ -61,61 +61,65 @@ def _plan_cpu_layers(model: Path, budget: str, kv_tokens: int, n_seq: int) -> tu
 def run(args: argparse.Namespace) -> list[Row]:
     model = Path(args.model)
     conc = args.concurrency
-    setup = Setup(
-        model=model,
-        name="bench-model",
-        n_ctx=max(4096, max(conc) * (args.isl + args.osl + 64)),
-        n_parallel=max(conc),
-        threads=args.threads or (os.cpu_count() or 1),
-        gpu=True,
-    )
+    setup = Setup.sized(model, conc, args.isl, args.osl, args.threads, gpu=True)
     budget, n_cpu, plan_text = _plan_cpu_layers(
         model, args.vram_budget, setup.n_ctx, setup.n_parallel
     )
     args.vram_budget = budget
     print(plan_text, flush=True)
-    rows = [
-        Row("all on the GPU", [], [("n-cpu-moe 0", [])]),
-        Row(
+    rows = {
+        "gpu": Row("all on the GPU", [], [("n-cpu-moe 0", [])]),
+        "planned": Row(
             f"planned, --vram-budget {args.vram_budget}",
             ["--vram-budget", args.vram_budget],
             [(f"n-cpu-moe {n}", ["--n-cpu-moe", str(n)]) for n in (n_cpu, n_cpu - 1) if n >= 0],
         ),
-        Row("experts in RAM (--cpu-moe)", ["--cpu-moe"], [("cpu-moe", ["--cpu-moe"])]),
-    ]
+        "cpu-moe": Row("experts in RAM (--cpu-moe)", ["--cpu-moe"], [("cpu-moe", ["--cpu-moe"])]),
+    }
+    chosen = [rows[k] for k in args.layouts]
     bin_dir = Path(args.peer_bin)
     run_dir = Path(args.cache) / "runs" / ("hybrid-" + time.strftime("%Y%m%d-%H%M%S"))
     run_dir.mkdir(parents=True, exist_ok=True)
-    for i, row in enumerate(rows):
-        setup.ours_extra = ["--repro-slots", "0", *args.ours_args.split(), *row.ours_args]
-        srv = setup.ours(run_dir / f"ours-{i}.log")
-        try:
-            with VramPeak(srv.proc.pid) as peak:
-                warm_up(srv, setup.name)
-                for n in conc:
-                    row.ours[n] = asyncio.run(
-                        run_lockstep(
-                            srv.base_url, model=setup.name, concurrency=n, waves=args.waves,
-                            isl=args.isl, osl=args.osl, sampling=GREEDY,
-                        )
-                    )  # fmt: skip
-                    print(f"ours  {row.layout} N={n}: {row.ours[n]:.1f} tok/s", flush=True)
-            row.ours_vram = peak.peak_mib
-            if row.ours_args:
-                _print_pick_share(srv.url, row.layout)
-        finally:
-            srv.stop()
-        for label, extra in row.peers:
-            vram: list[float] = []
-            row.peer[label] = run_batched_bench(
-                bin_dir / "llama-batched-bench", model, npl=conc, isl=args.isl, osl=args.osl,
-                n_ctx=setup.n_ctx, threads=setup.threads, gpu=True,
-                log_path=run_dir / f"batched-{i}-{label.replace(' ', '_')}.log",
-                extra=tuple(extra), vram=vram,
-            )  # fmt: skip
-            row.peer_vram[label] = vram[0] if vram else None
-            print(f"peer  {label}: {row.peer[label]} (VRAM {row.peer_vram[label]})", flush=True)
-    return rows
+    for rep in range(args.repeats):  # ours and the peers alternate within each repeat
+        for i, row in enumerate(chosen):
+            _run_ours(args, setup, row, run_dir / f"ours-{rep}-{i}.log")
+            for label, extra in row.peers:
+                vram: list[float] = []
+                rates = run_batched_bench(
+                    bin_dir / "llama-batched-bench", model, npl=conc, isl=args.isl,
+                    osl=args.osl, n_ctx=setup.n_ctx, threads=setup.threads, gpu=True,
+                    log_path=run_dir / f"batched-{rep}-{i}-{label.replace(' ', '_')}.log",
+                    extra=tuple(extra), vram=vram,
+                )  # fmt: skip
+                for n, r in rates.items():
+                    row.peer.setdefault(label, {}).setdefault(n, []).append(r)
+                if vram:
+                    row.peer_vram[label] = max(vram[0], row.peer_vram.get(label) or 0.0)
+                print(f"peer  {label}: {rates} (VRAM {vram[:1]})", flush=True)
+    return chosen
+
+
+def _run_ours(args: argparse.Namespace, setup: Setup, row: Row, log_path: Path) -> None:
+    setup.ours_extra = ["--repro-slots", "0", *args.ours_args.split(), *row.ours_args]
+    srv = setup.ours(log_path)
+    try:
+        with VramPeak(srv.proc.pid) as peak:
+            warm_up(srv, setup.name)
+            for n in args.concurrency:
+                rate = asyncio.run(
+                    run_lockstep(
+                        srv.base_url, model=setup.name, concurrency=n, waves=args.waves,
+                        isl=args.isl, osl=args.osl, sampling=GREEDY,
+                    )
+                )  # fmt: skip
+                row.ours.setdefault(n, []).append(rate)
+                print(f"ours  {row.layout} N={n}: {rate:.1f} tok/s", flush=True)
+        if peak.peak_mib is not None:
+            row.ours_vram = max(peak.peak_mib, row.ours_vram or 0.0)
+        if row.ours_args:
+            _print_pick_share(srv.url, row.layout)
+    finally:
+        srv.stop()
 
 
 def _print_pick_share(url: str, layout: str) -> None:
@@ -144,8 +148,9 @@ def report(rows: list[Row], budget_mib: float) -> str:
         for label, rates in row.peer.items():
             pv = row.peer_vram.get(label)
             fits = "yes" if pv is not None and pv <= budget_mib else "no"
-            for n, ours in sorted(row.ours.items()):
-                theirs = rates.get(n, 0.0)
+            for n, ours_runs in sorted(row.ours.items()):
+                ours = statistics.median(ours_runs)
+                theirs = statistics.median(rates.get(n, [0.0]))
                 ratio = f"{ours / theirs:.2f}" if theirs else "-"
                 ov = f"{row.ours_vram:.0f}" if row.ours_vram is not None else "-"
                 pvs = f"{pv:.0f}" if pv is not None else "-"
@@ -169,7 +174,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--osl", type=int, default=64)
     p.add_argument("--waves", type=int, default=2)
     p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--ours-args", default="")
+    p.add_argument("--ours-args", default="", help='extra server options, e.g. "--threads 15"')
+    p.add_argument("--layouts", nargs="+", choices=["gpu", "planned", "cpu-moe"],
+                   default=["gpu", "planned", "cpu-moe"])  # fmt: skip
+    p.add_argument("--repeats", type=int, default=1, help="alternate all; report medians")
     p.add_argument("--cache", default=".bench")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")

@@ -157,7 +157,7 @@ def main() -> None:
         "--n-gpu-layers",
         "-1" if gpu else "0",
         "--log-level",
-        "warning",
+        "info",  # the server logs each step that runs past the target (scheduler.loop)
     ]
     if args.threads:
         ours_args += ["--threads", str(args.threads)]
@@ -170,6 +170,7 @@ def main() -> None:
         metrics = httpx.get(srv.url + "/metrics").text
     finally:
         srv.stop()
+    over = [ln.split(": ", 1)[-1] for ln in srv.log().splitlines() if "over the stall target" in ln]
     if not args.no_peer:
         bin_dir = Path(args.peer_bin) if args.peer_bin else None
         exe = (
@@ -223,8 +224,12 @@ def main() -> None:
             f"| {who} | {r.max_gap_ms:.0f} | {r.median_gap_ms:.0f} | {r.decoder_tokens} | "
             f"{r.ttft_s:.2f} | {r.ttft_idle_s:.2f} | {r.ttft_s / r.ttft_idle_s:.2f} |"
         )
-    cost = [ln for ln in metrics.splitlines() if ln.startswith("onegpu_cost_model_seconds{")]
+    cost = [ln for ln in metrics.splitlines() if ln.startswith("onegpu_cost_model")]
     print("\nour cost model at the end:\n" + "\n".join(cost))
+    # Server-side: steps that ran past the target. None while the client saw a longer gap
+    # means the gap was made outside the step (HTTP, the client, the host).
+    print(f"\nour steps over the target while others decoded: {len(over)}")
+    print("\n".join(over[:10]))
 
 
 if __name__ == "__main__":

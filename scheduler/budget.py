@@ -10,6 +10,13 @@ linearly with the chunk's mean depth. `t_dec` (a + b * D) is fitted on decode-on
 (c0, c1) on steps that carried a prompt chunk — both by exponentially weighted least
 squares, so the model follows the machine as it warms up or gets busy. Until a term has
 data, the chunk falls back to the minimum (measured, then grown) rather than a guess.
+
+The fit lags a prefill that goes ever deeper: its points come from shallower chunks than
+the one being planned (on the 2-core CPU at 8K depth, steps planned at 850 ms took 1,050–
+1,100 ms). So the model also keeps `bias`, a fast moving average of measured / modelled
+time over the steps it planned (those with both decode tokens and prompt chunks), and the
+budget plans against the target divided by it: a model that runs behind is corrected
+within a few steps, whatever the cause.
 """
 
 from __future__ import annotations
@@ -54,10 +61,14 @@ class _Line:
 class StepCostModel:
     """The learned step-time model."""
 
+    BIAS_GAIN = 0.3  # weight of the newest step in `bias`
+    BIAS_RANGE = (0.5, 4.0)
+
     def __init__(self) -> None:
         self._dec = _Line()  # x = decode tokens, y = seconds
         self._tok = _Line()  # x = mean KV depth of the chunk, y = seconds per prompt token
         self.max_seen_chunk = 0
+        self.bias = 1.0  # measured / modelled time of recent planned steps
 
     @property
     def knows_prompts(self) -> bool:
@@ -94,6 +105,12 @@ class StepCostModel:
             if n_decode:
                 self._dec.add(n_decode, seconds)
             return
+        if n_decode and self._dec.ready and self._tok.ready:  # a step the budget planned
+            modelled = self.decode_time(n_decode) + sum(self.chunk_time(n, d) for n, d in chunks)
+            if modelled > 0:
+                lo, hi = self.BIAS_RANGE
+                ratio = min(hi, max(lo, seconds / modelled))
+                self.bias += self.BIAS_GAIN * (ratio - self.bias)
         rest = max(seconds - self.decode_time(n_decode), 0.0)
         depth = sum(n * (d + n / 2) for n, d in chunks) / n_prompt
         self._tok.add(depth, rest / n_prompt)
@@ -101,7 +118,7 @@ class StepCostModel:
 
     def estimate(self) -> dict[str, float]:
         """The model's current figures (for /metrics)."""
-        out: dict[str, float] = {}
+        out: dict[str, float] = {"bias": self.bias}
         if self._dec.ready:
             out["decode_base_s"], out["decode_per_token_s"] = self._dec.fit()
         if self._tok.ready:
@@ -115,8 +132,8 @@ class StepTimeBudget:
     Unbounded when nobody decodes (prompts then use full batches) or no target is set.
     The first chunk granted gets at least `min_chunk` tokens, so prefill always progresses
     — also before the model has seen any prompt (it measures that chunk, then grows).
-    Chunks are sized to 85% of the target: the model lags a machine that changes, and the
-    step's own Python and jitter come on top.
+    Chunks are sized to 85% of the target divided by the model's `bias`: the step's own
+    Python and jitter come on top of the engine time the model predicts.
     """
 
     HEADROOM = 0.85
@@ -126,7 +143,8 @@ class StepTimeBudget:
     ) -> None:
         self.model = model
         self.bounded = max_stall_s is not None and n_decode > 0
-        self.left = (max_stall_s or 0.0) * self.HEADROOM - model.decode_time(n_decode)
+        target = (max_stall_s or 0.0) * self.HEADROOM / model.bias
+        self.left = target - model.decode_time(n_decode)
         self.min_chunk = min_chunk
         self._granted = False
 

@@ -50,6 +50,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
+    def modelled_step_s(self, out: SchedulerOutput) -> float:
+        """What the learned cost model expects `out` to take in the engine."""
+        return self.cost.decode_time(out.num_decode) + sum(
+            self.cost.chunk_time(n, d) for n, d in out.prompt_chunks
+        )
+
     def __init__(self, cfg: SchedulerConfig) -> None:
         if cfg.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")

@@ -141,6 +141,10 @@ class EngineLoop:
 
     def _step_lane(self, lane: Lane, out: SchedulerOutput, schedule_s: float) -> None:
         sched = lane.scheduler
+        bounded = (
+            sched.cfg.max_stall_s is not None and out.num_decode > 0 and bool(out.prompt_chunks)
+        )
+        modelled = sched.modelled_step_s(out) if bounded else 0.0
         p1 = time.perf_counter()
         result: StepResult | None
         try:
@@ -164,6 +168,13 @@ class EngineLoop:
         stats.schedule_s = schedule_s
         stats.postprocess_s = p3 - p2
         stats.step_s = schedule_s + p3 - p1
+        if bounded and stats.step_s > (sched.cfg.max_stall_s or 0.0):
+            log.info(
+                "step over the stall target: %.0f ms (engine %.0f ms, modelled %.0f ms; "
+                "%d decode tokens, prompt chunks %s as (tokens, KV depth))",
+                1000 * stats.step_s, 1000 * (p2 - p1), 1000 * modelled, out.num_decode,
+                out.prompt_chunks,
+            )  # fmt: skip
         self._post(outputs, stats)
 
     def _post(self, outputs: list[RequestOutput] | None, stats: StepStats | None) -> None:

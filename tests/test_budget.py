@@ -4,6 +4,7 @@ prompt chunks so that steps with decoding users stay under the stall target."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -52,7 +53,21 @@ def test_budget_grants_a_minimum_chunk_before_it_knows_anything() -> None:
     assert free.grant(2048, 0) == 2048  # nobody decodes: full batches
 
 
-def run_scenario(max_stall_s: float | None) -> tuple[list[float], list[int], int]:
+class SlowsDown:
+    """The linear machine, 1.5x slower from its 60th step on: another process took part
+    of the cores (the long prompt arrives at step 20)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def __call__(self, batch: StepBatch) -> float:
+        self.steps += 1
+        return true_step_time(batch) * (1.5 if self.steps > 60 else 1.0)
+
+
+def run_scenario(
+    max_stall_s: float | None, cost: Callable[[StepBatch], float] = true_step_time
+) -> tuple[list[float], list[int], int]:
     """4 users decode while a 20,000-token prompt arrives; return the time of every step that
     carried a decoder, the prompt tokens of each step, and steps until the prompt's first token."""
     sched = Scheduler(
@@ -73,7 +88,7 @@ def run_scenario(max_stall_s: float | None) -> tuple[list[float], list[int], int
             sched.add(long)
         out = sched.schedule(now)
         res: StepResult = fake.step(out.batch)
-        res.decode_s = true_step_time(out.batch)
+        res.decode_s = cost(out.batch)
         now += res.decode_s
         outputs, _ = sched.postprocess(out, res, now)
         if out.num_decode:
@@ -96,6 +111,15 @@ def test_chunks_keep_decode_steps_under_the_target_and_prefill_progresses() -> N
     unbounded, _, steps_unbounded = run_scenario(None)
     assert max(unbounded) > 0.25  # without the target, 2,048-token chunks stall decoders
     assert steps_unbounded < steps
+
+
+def test_a_machine_that_slows_down_is_caught_up_with_within_a_few_steps() -> None:
+    """The least-squares fit forgets slowly (it must, to average out noise); the measured /
+    modelled bias follows within steps. Without it (gain 0) seven steps ran over."""
+    times, prompt_tokens, steps = run_scenario(0.25, SlowsDown())
+    assert steps > 0 and all(n >= 32 for n in prompt_tokens[:steps])
+    over = [t for t in times if t > 0.25]
+    assert len(over) <= 3, f"{len(over)} steps over the target: {over}"
 
 
 def test_two_long_prompts_go_first_come_first_served_and_both_finish() -> None:
