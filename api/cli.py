@@ -187,7 +187,8 @@ def _serve(args: argparse.Namespace) -> None:
 
     req = PlanRequest(
         vram_budget=args.vram_budget, ram_budget=args.ram_budget,
-        kv_tokens=engine.n_ctx + lanes.slots * lanes.ctx, n_ubatch=engine.n_ubatch,
+        kv_tokens=engine.n_ctx + lanes.slots * lanes.ctx,
+        n_ubatch=max(engine.n_ubatch, lanes.chunk) if lanes.slots else engine.n_ubatch,
         n_seq=engine.n_seq_max, contexts=2 if lanes.slots else 1,
     )  # fmt: skip
     try:

@@ -25,12 +25,15 @@ from engine.plan import (
     PlanDoesNotFit,
     PlanOptions,
     cpu_patterns,
+    expert_layer,
     make_plan,
     parse_size,
     plan_from_json,
+    reserves,
 )
 
 log = logging.getLogger(__name__)
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
 
 
 class PlanRefused(Exception):
@@ -58,12 +61,15 @@ def budgets(req: PlanRequest) -> Budgets:
     return Budgets(vram=vram, ram=ram)
 
 
-def plan_model(meta: ModelMeta, req: PlanRequest) -> Plan:
-    """Plan `meta` for this host; raises `PlanDoesNotFit` with the numbers."""
-    opts = PlanOptions(
+def _options(req: PlanRequest) -> PlanOptions:
+    return PlanOptions(
         kv_tokens=req.kv_tokens, n_ubatch=req.n_ubatch, n_seq=req.n_seq, contexts=req.contexts
     )
-    return make_plan(meta, budgets(req), opts)
+
+
+def plan_model(meta: ModelMeta, req: PlanRequest) -> Plan:
+    """Plan `meta` for this host; raises `PlanDoesNotFit` with the numbers."""
+    return make_plan(meta, budgets(req), _options(req))
 
 
 def plan_for_serve(
@@ -78,15 +84,14 @@ def plan_for_serve(
         log.info("tensor placement by hand (%s): not planning", " | ".join(cfg.cpu_tensors))
         return cfg, None
     meta = read_meta(cfg.model_path)
+    if 0 < cfg.n_gpu_layers <= meta.n_layer:
+        log.info(
+            "--n-gpu-layers %d keeps layers on the CPU by hand: not planning", cfg.n_gpu_layers
+        )
+        return cfg, None
     if plan_file is not None:
         plan = plan_from_json(plan_file.read_bytes())
-        names = {t.name for t in meta.tensors}
-        missing = [t.name for t in plan.tensors if t.name not in names]
-        if missing or len(plan.tensors) != len(names):
-            raise PlanRefused(
-                f"{plan_file} is not a plan for {cfg.model_path}: "
-                f"{len(missing)} of its tensors are not in the model"
-            )
+        _check_saved(plan, meta, plan_file, cfg.model_path, req)
     else:
         on_gpu = cfg.n_gpu_layers != 0 and bool(llama().llama_supports_gpu_offload())
         if not on_gpu and req.vram_budget is None:
@@ -98,6 +103,33 @@ def plan_for_serve(
             raise PlanRefused(str(e)) from e
     log.info("placement plan: %d tensors in host RAM", sum(t.device == "ram" for t in plan.tensors))
     return replace(cfg, cpu_tensors=cpu_patterns(plan)), plan
+
+
+def _check_saved(
+    plan: Plan, meta: ModelMeta, plan_file: Path, model: str, req: PlanRequest
+) -> None:
+    """A saved plan applies only to the very model (names and sizes: another quantization
+    has the same names) and only if it still fits this host's budgets with the reserves
+    this server needs."""
+    sizes = {t.name: t.nbytes for t in meta.tensors}
+    wrong = [t.name for t in plan.tensors if sizes.get(t.name) != t.nbytes]
+    if wrong or len(plan.tensors) != len(sizes):
+        raise PlanRefused(
+            f"{plan_file} is not a plan for {model}: {len(wrong)} of its {len(plan.tensors)} "
+            f"tensors are missing from the model or differ in size (the model has {len(sizes)})"
+        )
+    have = budgets(req)
+    in_ram = any(expert_layer(t.name) >= 0 and t.device == "ram" for t in plan.tensors)
+    vram, ram = reserves(meta, _options(req), have.ram, experts_in_ram=in_ram)
+    need_vram = plan.bytes_on("gpu") + vram.total
+    need_ram = plan.bytes_on("ram") + ram.total
+    # No GPU and no budget (vram 0): the loader keeps everything in RAM whatever the plan.
+    if (have.vram and need_vram > have.vram) or need_ram > have.ram:
+        raise PlanRefused(
+            f"{plan_file} does not fit this host: it needs {need_vram / 2**30:.2f} GiB of GPU "
+            f"memory (has {have.vram / 2**30:.2f}) and {need_ram / 2**30:.2f} GiB of RAM "
+            f"(has {have.ram / 2**30:.2f}) with this server's KV cache and buffers"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,9 +146,22 @@ def describe(cfg: EngineConfig, on_gpu_build: bool, n_layer: int, n_expert: int)
     meta = read_meta(cfg.model_path)
     gpu = on_gpu_build and cfg.n_gpu_layers != 0
     pats = [re.compile(p) for p in cfg.cpu_tensors]
+    # llama.cpp offloads the last n_gpu_layers blocks, and the output layer only when
+    # n_gpu_layers exceeds the block count (-1: everything).
+    n_gpu = meta.n_layer + 1 if cfg.n_gpu_layers < 0 else cfg.n_gpu_layers
+    first_gpu_block = meta.n_layer - min(n_gpu, meta.n_layer)
+
+    def offloaded(name: str) -> bool:
+        m = _BLOCK.match(name)
+        return int(m.group(1)) >= first_gpu_block if m else n_gpu > meta.n_layer
 
     def on_gpu(name: str) -> bool:
-        return gpu and not name.startswith("token_embd.") and not any(p.search(name) for p in pats)
+        return (
+            gpu
+            and not name.startswith("token_embd.")
+            and offloaded(name)
+            and not any(p.search(name) for p in pats)
+        )
 
     placed = {"gpu": [0, 0], "ram": [0, 0]}
     for t in meta.tensors:

@@ -228,7 +228,8 @@ def main() -> None:
     print("\nour cost model at the end:\n" + "\n".join(cost))
     # Server-side: steps that ran past the target. None while the client saw a longer gap
     # means the gap was made outside the step (HTTP, the client, the host).
-    print(f"\nour steps over the target while others decoded: {len(over)}")
+    n_over = len(over) + sum(int(ln.rsplit("); ", 1)[-1].split()[0]) for ln in over)
+    print(f"\nour steps over the target while others decoded: {n_over} (logged: {len(over)})")
     print("\n".join(over[:10]))
 
 

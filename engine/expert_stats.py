@@ -121,6 +121,7 @@ def _hot_set(counts: np.ndarray, layout: ExpertLayout) -> tuple[int, float]:
     with np.errstate(divide="ignore", invalid="ignore"):
         value = np.where(size > 0, picks / size, 0.0)
     order = np.argsort(-value, kind="stable")
+    order = order[(size[order] > 0) & (picks[order] > 0)]  # dense layers, unpicked experts
     fits = np.cumsum(size[order]) <= layout.gpu_bytes
     chosen = order[fits]
     return int(chosen.size), float(picks[chosen].sum() / total)

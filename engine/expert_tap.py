@@ -117,7 +117,8 @@ class ExpertTap:
         if self._get_sched is None:
             log.warning("expert telemetry: %s not exported; the callback stays on", _GET_SCHED)
             return
-        self._sched = self._get_sched(ctypes.cast(ctx, ctypes.c_void_p)) or None
+        self._ctx = ctypes.cast(ctx, ctypes.c_void_p)
+        self._sched = self._get_sched(self._ctx) or None
 
     def before_decode(self) -> None:
         """Arm this decode when the sampling rate says so (engine thread only), and install
@@ -131,6 +132,8 @@ class ExpertTap:
             self.sampled_steps += 1
         self._state.armed = int(armed)
         if self._sched is not None:
+            # Asked every step: llama.cpp replaces its scheduler when it must re-reserve.
+            self._sched = self._get_sched(self._ctx) or self._sched
             if armed:
                 self._set_callback(self._sched, self._callback_ptr, ctypes.addressof(self._state))
             else:

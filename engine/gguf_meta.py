@@ -5,13 +5,19 @@ megabytes: the key/value metadata and the tensor directory (name, type, shape, b
 never the weights. Everything here is plain data so that `engine.plan` stays pure.
 
 The KV cache per token is what llama.cpp allocates at the default f16 cache type:
-`n_layer x n_head_kv x (key_length + value_length) x 2` bytes, or with DeepSeek's
-multi-head latent attention (a `kv_lora_rank` in the header) the compressed latent plus
-the rope part, `n_layer x (kv_lora_rank + rope_dim) x 2`.
+`n_layer x n_head_kv x (key_length + value_length) x 2` bytes. A GGUF converted for
+DeepSeek's compressed attention (MLA: it carries `attention.key_length_mla`) stores the
+latent and the rope part as K only, `key_length` wide per KV head; an older DeepSeek GGUF
+without that key gets the full per-head cache.
+
+A model split over several files (`name-00001-of-00003.gguf`, llama.cpp's `gguf-split`)
+is read from all of them. Multi-token-prediction blocks (`nextn_predict_layers`, the last
+blocks) are left out: llama.cpp skips them unless asked to load them.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import msgspec
@@ -19,6 +25,7 @@ import numpy as np
 from gguf import GGUFReader, GGUFValueType
 
 F16_BYTES = 2
+_SPLIT = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
 
 
 class TensorInfo(msgspec.Struct, frozen=True):
@@ -57,20 +64,28 @@ def kv_bytes_per_token(
     n_head_kv: int | list[int],
     key_length: int,
     value_length: int,
-    kv_lora_rank: int = 0,
-    rope_dim: int = 0,
+    k_only: bool = False,
 ) -> int:
     """Bytes of f16 KV cache one token takes over all layers (see the module doc)."""
-    if kv_lora_rank:
-        return n_layer * (kv_lora_rank + rope_dim) * F16_BYTES
     heads = n_head_kv if isinstance(n_head_kv, list) else [n_head_kv] * n_layer
-    return sum(heads[:n_layer]) * (key_length + value_length) * F16_BYTES
+    width = key_length if k_only else key_length + value_length
+    return sum(heads[:n_layer]) * width * F16_BYTES
+
+
+def split_parts(path: Path) -> list[Path]:
+    """Every file of a split GGUF given its first part (just `path` when not split)."""
+    m = _SPLIT.match(path.name)
+    if m is None:
+        return [path]
+    prefix, count = m.group(1), int(m.group(3))
+    return [path.with_name(f"{prefix}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
 
 
 def read_meta(path: str | Path) -> ModelMeta:
     """The header of the GGUF at `path` (raises OSError/ValueError on a file that is not one)."""
-    reader = GGUFReader(str(path), "r")
-    fields = reader.fields
+    path = Path(path)
+    readers = [GGUFReader(str(p), "r") for p in split_parts(path)]
+    fields = readers[0].fields
 
     def get(key: str, default: object = None) -> object:
         f = fields.get(key)
@@ -79,7 +94,7 @@ def read_meta(path: str | Path) -> ModelMeta:
         if f.types[0] == GGUFValueType.ARRAY:
             if len(f.types) > 1 and f.types[-1] == GGUFValueType.STRING:
                 return len(f.data)  # only string arrays' lengths are wanted (the vocabulary)
-            return [int(f.parts[i][0]) for i in f.data]
+            return [int(f.parts[i][0]) for i in f.data] or default
         if f.types[0] == GGUFValueType.STRING:
             return bytes(f.parts[f.data[0]]).decode("utf-8", "replace")
         return f.parts[f.data[0]][0].item()
@@ -88,7 +103,7 @@ def read_meta(path: str | Path) -> ModelMeta:
 
     def num(key: str, default: int = 0) -> int:
         v = get(f"{arch}.{key}", default)
-        return int(max(v)) if isinstance(v, list) else int(str(v))
+        return int(max(v)) if isinstance(v, list) else int(v)  # type: ignore[call-overload]
 
     n_layer = num("block_count")
     n_embd = num("embedding_length")
@@ -97,6 +112,8 @@ def read_meta(path: str | Path) -> ModelMeta:
     head_kv: int | list[int] = raw_kv if isinstance(raw_kv, list) else int(str(raw_kv))
     key_length = num("attention.key_length", n_embd // n_head)
     value_length = num("attention.value_length", key_length)
+    n_mtp = num("nextn_predict_layers")
+    mtp = re.compile(rf"^blk\.({'|'.join(str(n_layer - 1 - i) for i in range(n_mtp))})\.")
     tensors = tuple(
         TensorInfo(
             name=t.name,
@@ -104,7 +121,9 @@ def read_meta(path: str | Path) -> ModelMeta:
             nbytes=int(t.n_bytes),
             shape=tuple(int(x) for x in t.shape),
         )
-        for t in reader.tensors
+        for r in readers
+        for t in r.tensors
+        if not (n_mtp and mtp.match(t.name))
     )
     vocab = get("tokenizer.ggml.tokens")
     if not isinstance(vocab, int):
@@ -119,12 +138,11 @@ def read_meta(path: str | Path) -> ModelMeta:
         n_embd=n_embd,
         n_vocab=vocab,
         kv_bytes_per_token=kv_bytes_per_token(
-            n_layer,
+            n_layer - n_mtp,
             head_kv,
             key_length,
             value_length,
-            num("attention.kv_lora_rank"),
-            num("rope.dimension_count") if num("attention.kv_lora_rank") else 0,
+            k_only=f"{arch}.attention.key_length_mla" in fields,
         ),
         tensors=tensors,
     )

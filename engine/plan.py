@@ -57,17 +57,22 @@ class PlanOptions(msgspec.Struct, frozen=True):
     n_seq: int = 1
     contexts: int = 1  # llama contexts sharing the weights (each has compute buffers)
     vram_margin: int = GiB  # CUDA context, cuBLAS workspace, allocator slack
-    ram_margin: int = 4 * GiB  # the process itself, Python, page-cache churn
+    ram_margin: int = 4 * GiB  # the process, Python, page-cache churn (at most 5% of RAM)
 
 
 class Reserve(msgspec.Struct, frozen=True):
     kv: int
     compute: int
     margin: int
+    # Weights llama.cpp copies to the GPU while it runs: a tied output matrix (no
+    # `output.weight`: `token_embd` is duplicated onto the output device) and, for ubatches
+    # of >= 32 tokens, the expert tensors kept in RAM that it runs on the GPU (the copy
+    # lives in the compute pool; two, so one can load while the other runs).
+    copies: int = 0
 
     @property
     def total(self) -> int:
-        return self.kv + self.compute + self.margin
+        return self.kv + self.compute + self.margin + self.copies
 
 
 class Placed(msgspec.Struct, frozen=True):
@@ -150,19 +155,28 @@ def compute_bytes(meta: ModelMeta, n_ubatch: int) -> int:
     return n_ubatch * (meta.n_vocab + 64 * meta.n_embd) * 4
 
 
-def reserves(meta: ModelMeta, opts: PlanOptions) -> tuple[Reserve, Reserve]:
-    """(VRAM, RAM) set aside before any weight is placed."""
+def reserves(
+    meta: ModelMeta, opts: PlanOptions, ram_budget: int | None = None, experts_in_ram: bool = False
+) -> tuple[Reserve, Reserve]:
+    """(VRAM, RAM) set aside before any weight is placed. The RAM margin shrinks to 5% of
+    a small RAM budget: a GPU host with a few GiB free must still serve a small model."""
     compute = compute_bytes(meta, opts.n_ubatch) * opts.contexts
+    names = {t.name: t.nbytes for t in meta.tensors}
+    copies = names.get("token_embd.weight", 0) if "output.weight" not in names else 0
+    if experts_in_ram and opts.n_ubatch >= 32:
+        copies += 2 * max((t.nbytes for t in meta.tensors if expert_layer(t.name) >= 0), default=0)
     vram = Reserve(
-        kv=opts.kv_tokens * meta.kv_bytes_per_token, compute=compute, margin=opts.vram_margin
-    )
-    return vram, Reserve(kv=0, compute=compute, margin=opts.ram_margin)
+        kv=opts.kv_tokens * meta.kv_bytes_per_token, compute=compute, margin=opts.vram_margin,
+        copies=copies,
+    )  # fmt: skip
+    margin = opts.ram_margin if ram_budget is None else min(opts.ram_margin, ram_budget // 20)
+    return vram, Reserve(kv=0, compute=compute, margin=margin)
 
 
 def vram_for_expert_share(meta: ModelMeta, opts: PlanOptions, share: float) -> int:
     """The VRAM budget that holds the non-expert part, the reserves and `share` of the
     routed experts' bytes (benchmarks and tests use it to ask for "about half")."""
-    vram, _ = reserves(meta, opts)
+    vram, _ = reserves(meta, opts, experts_in_ram=share < 1)
     experts = sum(t.nbytes for t in meta.tensors if _EXPERT.match(t.name))
     dense = sum(
         t.nbytes for t in meta.tensors if not _EXPERT.match(t.name) and not _host_only(t.name)
@@ -182,7 +196,12 @@ def _host_only(name: str) -> bool:
 
 def make_plan(meta: ModelMeta, budgets: Budgets, opts: PlanOptions) -> Plan:
     """Place every tensor of `meta` within `budgets` (see the module doc for the order)."""
-    vram_res, ram_res = reserves(meta, opts)
+    vram_res, ram_res = reserves(meta, opts, budgets.ram)
+    if (
+        vram_res.total + sum(t.nbytes for t in meta.tensors if not _host_only(t.name))
+        > budgets.vram
+    ):
+        vram_res, ram_res = reserves(meta, opts, budgets.ram, experts_in_ram=True)
     device: dict[str, Device] = {}
     experts = []
     for t in meta.tensors:
@@ -199,7 +218,7 @@ def make_plan(meta: ModelMeta, budgets: Budgets, opts: PlanOptions) -> Plan:
             budgets.vram,
             f"non-expert tensors {_gib(dense)} + KV cache {_gib(vram_res.kv)} for "
             f"{opts.kv_tokens} tokens + compute {_gib(vram_res.compute)} + margin "
-            f"{_gib(vram_res.margin)}",
+            f"{_gib(vram_res.margin)} + weight copies {_gib(vram_res.copies)}",
             _vram_advice(meta, budgets, opts, vram_res, dense),
         )
 
@@ -259,7 +278,7 @@ def _vram_advice(
     meta: ModelMeta, budgets: Budgets, opts: PlanOptions, res: Reserve, dense: int
 ) -> list[str]:
     advice = []
-    room_for_kv = budgets.vram - dense - res.compute - res.margin
+    room_for_kv = budgets.vram - dense - res.compute - res.margin - res.copies
     if room_for_kv > 0 and meta.kv_bytes_per_token:
         fits = room_for_kv // meta.kv_bytes_per_token
         advice.append(
@@ -317,8 +336,9 @@ def format_plan(plan: Plan) -> str:
     v, r = plan.vram_reserve, plan.ram_reserve
     lines.append(
         f"GPU: weights {_gib(plan.bytes_on('gpu'))} + KV {_gib(v.kv)} "
-        f"({plan.options.kv_tokens} tokens) + compute {_gib(v.compute)} + margin "
-        f"{_gib(v.margin)} = {_gib(plan.vram_used)} of {_gib(plan.budgets.vram)} budget"
+        f"({plan.options.kv_tokens} tokens) + compute {_gib(v.compute)} + weight copies "
+        f"{_gib(v.copies)} + margin {_gib(v.margin)} = {_gib(plan.vram_used)} of "
+        f"{_gib(plan.budgets.vram)} budget"
     )
     lines.append(
         f"RAM: weights {_gib(plan.bytes_on('ram'))} + host buffers {_gib(r.compute)} + "

@@ -52,6 +52,8 @@ class SchedulerOutput:
 class Scheduler:
     def modelled_step_s(self, out: SchedulerOutput) -> float:
         """What the learned cost model expects `out` to take in the engine."""
+        if not self.cost.knows_prompts:
+            return self.cost.decode_time(out.num_decode)
         return self.cost.decode_time(out.num_decode) + sum(
             self.cost.chunk_time(n, d) for n, d in out.prompt_chunks
         )

@@ -65,6 +65,8 @@ class EngineLoop:
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Future[None] | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._over_logged = -1.0  # when a step over the stall target was last logged
+        self._over_unlogged = 0  # such steps since then (one line a second at most)
 
     def add_lane(self, name: str, scheduler: Scheduler, step: StepFn) -> None:
         """Another lane, stepped after the fast one in every iteration (before `start`)."""
@@ -169,13 +171,26 @@ class EngineLoop:
         stats.postprocess_s = p3 - p2
         stats.step_s = schedule_s + p3 - p1
         if bounded and stats.step_s > (sched.cfg.max_stall_s or 0.0):
-            log.info(
-                "step over the stall target: %.0f ms (engine %.0f ms, modelled %.0f ms; "
-                "%d decode tokens, prompt chunks %s as (tokens, KV depth))",
-                1000 * stats.step_s, 1000 * (p2 - p1), 1000 * modelled, out.num_decode,
-                out.prompt_chunks,
-            )  # fmt: skip
+            self._log_over_target(stats.step_s, p2 - p1, modelled, out)
         self._post(outputs, stats)
+
+    def _log_over_target(
+        self, step_s: float, engine_s: float, modelled_s: float, out: SchedulerOutput
+    ) -> None:
+        """Say that a step ran past --max-stall-ms, and why it might have: at most once a
+        second (an unreachable target would otherwise log every step)."""
+        now = time.monotonic()
+        if now - self._over_logged < 1.0:
+            self._over_unlogged += 1
+            return
+        log.info(
+            "step over the stall target: %.0f ms (engine %.0f ms, modelled %.0f ms; "
+            "%d decode tokens, prompt chunks %s as (tokens, KV depth)); %d more since the "
+            "last such line",
+            1000 * step_s, 1000 * engine_s, 1000 * modelled_s, out.num_decode,
+            out.prompt_chunks, self._over_unlogged,
+        )  # fmt: skip
+        self._over_logged, self._over_unlogged = now, 0
 
     def _post(self, outputs: list[RequestOutput] | None, stats: StepStats | None) -> None:
         assert self._aloop is not None

@@ -48,3 +48,12 @@ def test_no_picks_and_no_gpu_give_zero_shares() -> None:
     lay = ExpertLayout(n_expert=2, expert_bytes=(8,), gpu_fraction=(0.0,))
     r = report(np.zeros((1, 2), dtype=np.int64), lay, sampled_steps=0)
     assert r.picks == 0 and r.gpu_pick_share == 0.0 and r.hot_set_pick_share == 0.0 and r.top == ()
+
+
+def test_hot_set_counts_only_picked_experts_of_moe_layers() -> None:
+    """A dense first layer (no expert bytes) and experts nobody picked are not "held":
+    with VRAM for everything, the hot set is the experts that were picked."""
+    lay = ExpertLayout(n_expert=4, expert_bytes=(0, 300, 300), gpu_fraction=(0.0, 1.0, 1.0))
+    counts = np.array([[0, 0, 0, 0], [5, 0, 2, 0], [0, 1, 0, 0]])
+    r = report(counts, lay, sampled_steps=1)
+    assert r.hot_set_experts == 3 and r.hot_set_pick_share == 1.0

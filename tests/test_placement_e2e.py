@@ -114,6 +114,14 @@ def test_serve_refuses_a_plan_that_does_not_fit_and_a_plan_for_another_model(
     (tmp_path / "plan.json").write_text(saved.stdout)
     out = one_gpu("serve", "--model", str(model), *COMMON, "--plan", str(tmp_path / "plan.json"))
     assert out.returncode == 2 and "is not a plan for" in out.stderr
+    # The model's own plan, saved on a bigger host, is re-checked against this one's budget.
+    mine = one_gpu("plan", str(model), "--vram-budget", "8GiB", "--json")
+    (tmp_path / "mine.json").write_text(mine.stdout)
+    out = one_gpu(
+        "serve", "--model", str(model), *COMMON, "--plan", str(tmp_path / "mine.json"),
+        "--vram-budget", "64MiB",
+    )  # fmt: skip
+    assert out.returncode == 2 and "does not fit this host" in out.stderr
 
 
 def test_tensors_land_where_the_plan_says(planned: Server, model: Path, budget: int) -> None:

@@ -7,7 +7,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import gguf
 import msgspec
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -75,7 +77,7 @@ def deepseek_like() -> ModelMeta:
     return ModelMeta(
         arch="deepseek2", name="DeepSeek-V4.1-Flash-like", n_layer=47, n_expert=X,
         n_expert_used=6, n_embd=E, n_vocab=V,
-        kv_bytes_per_token=kv_bytes_per_token(47, 128, 192, 128, kv_lora_rank=512, rope_dim=64),
+        kv_bytes_per_token=kv_bytes_per_token(47, 1, 576, 512, k_only=True),  # MLA: K only
         tensors=tuple(ts),
     )  # fmt: skip
 
@@ -215,6 +217,17 @@ def test_plans_never_exceed_either_budget_and_patterns_select_exactly_the_ram_te
     assert plan_from_json(plan_to_json(plan)) == plan
 
 
+def test_a_small_model_fits_a_host_with_little_free_ram() -> None:
+    """The 4 GiB RAM margin is for big hosts; with 3 GB free a small model still plans."""
+    meta = deepseek_like()
+    small = msgspec.structs.replace(
+        meta, tensors=tuple(t for t in meta.tensors if not t.name.startswith("blk.") or
+                            t.name.startswith(("blk.0.", "blk.1.")))
+    )  # fmt: skip
+    plan = make_plan(small, Budgets(vram=24 * GB, ram=3 * GB), PlanOptions(kv_tokens=4096))
+    assert plan.ram_reserve.margin == 3 * GB // 20 and plan.ram_used <= 3 * GB
+
+
 def test_half_expert_budget_places_about_half_the_expert_bytes() -> None:
     meta = deepseek_like()
     opts = PlanOptions(kv_tokens=8192)
@@ -271,3 +284,37 @@ def test_the_header_of_a_real_gguf_is_read(tmp_path: Path) -> None:
     # The byte sizes add up to the file's tensor data (the rest is header and alignment).
     size = (tmp_path / "m.gguf").stat().st_size
     assert 0 < size - meta.nbytes < 64 * 1024
+
+
+def test_a_split_model_is_read_from_all_its_files(tmp_path: Path) -> None:
+    whole = read_meta(write_qwen3moe(tmp_path / "w.gguf", seed=1))
+    write_qwen3moe(tmp_path / "s.gguf", seed=1, split_max_tensors=10)
+    parts = sorted(tmp_path.glob("s-*-of-*.gguf"))
+    assert len(parts) == 3
+    split = read_meta(parts[0])
+    assert split.tensors == whole.tensors and split.n_layer == whole.n_layer
+
+
+def test_mla_cache_and_skipped_mtp_blocks_follow_llama_cpp(tmp_path: Path) -> None:
+    """A DeepSeek-style header: the compressed (MLA) cache is K only, one head of
+    `key_length`; the multi-token-prediction block (the last one) is not loaded, so it is
+    neither planned nor given KV."""
+    path = tmp_path / "ds.gguf"
+    w = gguf.GGUFWriter(str(path), "deepseek2")
+    w.add_block_count(3)
+    w.add_embedding_length(64)
+    w.add_head_count(4)
+    w.add_head_count_kv(1)
+    w.add_key_length(576)
+    w.add_value_length(512)
+    w.add_uint32("deepseek2.attention.key_length_mla", 192)
+    w.add_uint32("deepseek2.nextn_predict_layers", 1)
+    for i in range(3):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(64, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    meta = read_meta(path)
+    assert [t.name for t in meta.tensors] == ["blk.0.attn_norm.weight", "blk.1.attn_norm.weight"]
+    assert meta.kv_bytes_per_token == 2 * 576 * 2

@@ -114,13 +114,23 @@ def write_qwen3moe(
     seed: int = 0,
     wtype: WeightType = "f32",
     shape: Shape | None = None,
+    split_max_tensors: int = 0,
 ) -> Path:
-    """An MoE `qwen3moe`-arch model (q/k norms, router, stacked expert tensors)."""
-    return _write("qwen3moe", Path(path), shape or Shape(), seed, wtype, chat_template)
+    """An MoE `qwen3moe`-arch model (q/k norms, router, stacked expert tensors); with
+    `split_max_tensors`, written as llama.cpp's split files `<stem>-0000i-of-0000n.gguf`."""
+    return _write(
+        "qwen3moe", Path(path), shape or Shape(), seed, wtype, chat_template, split_max_tensors
+    )
 
 
 def _write(
-    arch: str, path: Path, s: Shape, seed: int, wtype: WeightType, chat_template: str | None
+    arch: str,
+    path: Path,
+    s: Shape,
+    seed: int,
+    wtype: WeightType,
+    chat_template: str | None,
+    split_max_tensors: int = 0,
 ) -> Path:
     tokens, scores, types = vocab()
     n_vocab = len(tokens)
@@ -136,7 +146,7 @@ def _write(
     def norm(n: int) -> np.ndarray:
         return np.ones(n, dtype=np.float32)  # 1-D tensors stay f32, as converters write them
 
-    w = gguf.GGUFWriter(str(path), arch)
+    w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     w.add_name(f"tiny-{arch}")
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if wtype == "f16" else gguf.LlamaFileType.ALL_F32)
     w.add_context_length(s.n_ctx_train)
