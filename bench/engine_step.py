@@ -27,9 +27,8 @@ MODES = {
 }
 
 
-def measure(
-    engine: Engine, n: int, params: SamplingParams, isl: int, steps: int
-) -> dict[str, float]:
+def prefill_all(engine: Engine, n: int, params: SamplingParams, isl: int) -> dict[int, int]:
+    """Start sequences 0..n-1 on an isl-token prompt; their first sampled tokens."""
     prompt = [(1000 + i) % engine.model.n_vocab for i in range(isl)]
     last: dict[int, int] = {}
     group = max(1, engine.n_batch // isl)  # prompts per prefill step, within n_batch
@@ -38,6 +37,13 @@ def measure(
         starts = [SeqStart(s, params) for s in seqs]
         res = engine.step(StepBatch([SeqChunk(s, prompt, 0, True) for s in seqs], starts))
         last |= {s: res.sampled[s].token for s in seqs}
+    return last
+
+
+def measure(
+    engine: Engine, n: int, params: SamplingParams, isl: int, steps: int
+) -> dict[str, float]:
+    last = prefill_all(engine, n, params, isl)
     pos = isl
     wall, dec, smp = [], [], []
     for _ in range(steps):

@@ -51,8 +51,10 @@ for s in "${steps[@]}"; do
       run hybrid-notap python3 -m bench.hybrid --model "$MODEL" --peer-bin "$PEER_BIN" \
         --vram-budget half-experts --concurrency 1 4 8 --layouts planned \
         --ours-args "--expert-sample-rate 0" ;;
-    tap-cost) run tapcost python3 -m bench.engine_step --model "$MODEL" --concurrency 1 8 32 \
-      --modes host-greedy --expert-sample-rates 0 0.01 0.02 --repeats 3 --steps 400 --n-ctx 24576 ;;
+    tap-cost)  # paired, step by step (bench/tap_cost.py), then as a throughput difference
+      run tapcost python3 -m bench.tap_cost --model "$MODEL" --concurrency 1 8 32 --steps 400
+      run tapcost-throughput python3 -m bench.engine_step --model "$MODEL" --concurrency 1 8 32 \
+        --modes host-greedy --expert-sample-rates 0 0.01 --repeats 3 --steps 400 --n-ctx 24576 ;;
   esac
 done
 cp -r .bench/runs "$R/bench-runs" 2>/dev/null

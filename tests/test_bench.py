@@ -59,3 +59,22 @@ def test_quick_benchmark_compares_both_servers_and_the_ceiling() -> None:
     rss = re.search(r"Peak RSS \(MiB, median\): ours (\d+), llama-server (\d+)", out.stdout)
     assert rss and int(rss.group(1)) > 100 and int(rss.group(2)) > 100
     assert re.search(r"^\| greedy \| 2 \| ([\d.]+ \| ){6}[\d.]+% \|$", out.stdout, re.M), out.stdout
+
+
+def test_telemetry_cost_benchmark_runs_and_reports_every_class(tmp_path: Path) -> None:
+    """`bench.tap_cost` on a tiny MoE model: one table row per N, the three step classes
+    measured, a cost in percent."""
+    from tests.tiny_gguf import Shape, write_qwen3moe
+
+    model = write_qwen3moe(tmp_path / "moe.gguf", shape=Shape(n_layer=3))
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.tap_cost", "--model", str(model), "--concurrency", "1", "2",
+         "--steps", "40", "--isl", "8", "--n-ctx", "512"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rows = [ln for ln in out.stdout.splitlines() if re.match(r"\| \d+ \|", ln)]
+    assert [r.split("|")[1].strip() for r in rows] == ["1", "2"]
+    for r in rows:
+        cells = [c.strip() for c in r.strip("|").split("|")]
+        assert all(float(c) > 0 for c in cells[1:4]) and cells[4].endswith("%")
