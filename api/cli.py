@@ -49,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--cpu-moe", action="store_true",
                    help="keep every routed expert in host RAM (llama.cpp's --cpu-moe)")  # fmt: skip
     _plan_options(s)
+    s.add_argument("--no-mmap", action="store_true",
+                   help="read the model into memory instead of mapping it (tensors in RAM "
+                   "can then be repacked for faster CPU matmuls)")  # fmt: skip
     s.add_argument(
         "--plan", type=Path, metavar="FILE",
         help="apply a plan saved by `one-gpu plan --json` instead of planning",
@@ -175,6 +178,7 @@ def _serve(args: argparse.Namespace) -> None:
         device_greedy={"auto": None, "on": True, "off": False}[args.device_greedy],
         cpu_tensors=tuple(args.cpu_experts) + ((CPU_MOE,) if args.cpu_moe else ()),
         expert_sample_rate=args.expert_sample_rate,
+        use_mmap=not args.no_mmap,
     )
     lanes = LaneOptions(
         cpu_numerics=args.cpu_numerics,

@@ -71,7 +71,7 @@ def fingerprints(cfg: EngineConfig, opts: LaneOptions) -> dict[str, str]:
     size = path.stat().st_size if path.exists() else 0
     key = repr(
         (path.name, size, cfg.threads(), cfg.flash_attn, cfg.n_ubatch, cfg.n_gpu_layers,
-         cfg.cpu_tensors, opts.ctx, opts.chunk)
+         cfg.cpu_tensors, cfg.use_mmap, opts.ctx, opts.chunk)
     )  # fmt: skip
     h = hashlib.sha256(key.encode()).hexdigest()[:10]
     return {FAST: f"fp_{h}-{FAST}", REPRODUCIBLE: f"fp_{h}-{REPRODUCIBLE}"}

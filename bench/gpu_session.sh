@@ -50,7 +50,11 @@ for s in "${steps[@]}"; do
         --vram-budget half-experts --concurrency 1 4 8 --layouts planned --ours-args "--threads 15"
       run hybrid-notap python3 -m bench.hybrid --model "$MODEL" --peer-bin "$PEER_BIN" \
         --vram-budget half-experts --concurrency 1 4 8 --layouts planned \
-        --ours-args "--expert-sample-rate 0" ;;
+        --ours-args "--expert-sample-rate 0"
+      # read, not mapped: RAM experts repacked for the CPU kernels (llama.cpp's advice)
+      run hybrid-nommap python3 -m bench.hybrid --model "$MODEL" --peer-bin "$PEER_BIN" \
+        --vram-budget half-experts --concurrency 1 4 8 --layouts planned \
+        --ours-args "--no-mmap" --peer-args "-lm none" ;;
     tap-cost)  # paired, step by step (bench/tap_cost.py), then as a throughput difference
       run tapcost python3 -m bench.tap_cost --model "$MODEL" --concurrency 1 8 32 --steps 400
       run tapcost-throughput python3 -m bench.engine_step --model "$MODEL" --concurrency 1 8 32 \

@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> list[Row]:
                     bin_dir / "llama-batched-bench", model, npl=conc, isl=args.isl,
                     osl=args.osl, n_ctx=setup.n_ctx, threads=setup.threads, gpu=True,
                     log_path=run_dir / f"batched-{rep}-{i}-{label.replace(' ', '_')}.log",
-                    extra=tuple(extra), vram=vram,
+                    extra=(*extra, *args.peer_args.split()), vram=vram,
                 )  # fmt: skip
                 for n, r in rates.items():
                     row.peer.setdefault(label, {}).setdefault(n, []).append(r)
@@ -175,6 +175,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--waves", type=int, default=2)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--ours-args", default="", help='extra server options, e.g. "--threads 15"')
+    p.add_argument(
+        "--peer-args", default="", help='extra llama-batched-bench options, e.g. "-lm none"'
+    )
     p.add_argument("--layouts", nargs="+", choices=["gpu", "planned", "cpu-moe"],
                    default=["gpu", "planned", "cpu-moe"])  # fmt: skip
     p.add_argument("--repeats", type=int, default=1, help="alternate all; report medians")

@@ -43,6 +43,10 @@ class EngineConfig:
     # Share of steps whose MoE router choices are read back (engine.expert_tap); 0 = off,
     # and off attaches nothing to the context.
     expert_sample_rate: float = 0.0
+    # Map the file (llama.cpp's default) or read it into memory. Read, the tensors kept in
+    # host RAM can be repacked for the CPU's matmul kernels (llama.cpp warns that overrides
+    # to the CPU with mmap cost speed); mapped, they are shared with the page cache.
+    use_mmap: bool = True
 
     def threads(self) -> tuple[int, int]:
         t = self.n_threads or default_threads()

@@ -33,6 +33,8 @@ class Model:
             raise ModelLoadError(f"model file not found: {path}")
         mparams = ll.llama_model_default_params()
         mparams.n_gpu_layers = cfg.n_gpu_layers
+        if not cfg.use_mmap:  # a plain read (llama.cpp's --load-mode none)
+            mparams.load_mode = ll.LLAMA_LOAD_MODE_NONE
         overrides = CpuOverrides(ll, list(cfg.cpu_tensors)) if cfg.cpu_tensors else None
         if overrides is not None:
             mparams.tensor_buft_overrides = overrides.pointer

@@ -285,6 +285,32 @@ def test_kv_pool_full_raises_and_keeps_the_cache(open_engine: OpenEngine) -> Non
     generate(eng, toks[:50], 2, seq_id=1)
 
 
+def test_a_model_read_into_memory_answers_as_the_mapped_one(
+    tiny_models: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """`use_mmap=False` (serve --no-mmap) loads the file into memory — llama.cpp reports no
+    mapped buffer — experts overridden to the CPU included, and computes the same tokens."""
+    path = str(tiny_models["qwen3moe"])
+
+    def load(mmap: bool) -> tuple[Model, bool]:
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="llama.cpp"):
+            m = Model(EngineConfig(path, n_ctx=256, n_threads=2, cpu_tensors=(CPU_MOE,),
+                                   use_mmap=mmap))  # fmt: skip
+        return m, any("CPU_Mapped" in r.getMessage() for r in caplog.records)
+
+    read, read_mapped = load(False)
+    mapped, mapped_mapped = load(True)
+    assert mapped_mapped and not read_mapped
+    try:
+        a, b = Engine(read), Engine(mapped)
+        prompt = prompt_ids(a)
+        assert generate(a, prompt, 8) == generate(b, prompt, 8)
+    finally:
+        for m in (read, mapped):
+            m.close()
+
+
 # ---- router telemetry -----------------------------------------------------------------------
 def test_expert_tap_counts_exactly_the_sampled_steps(tiny_models: dict[str, Path]) -> None:
     """At a rate of 1/3, the first step and every third after it are read: each adds
