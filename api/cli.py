@@ -120,10 +120,17 @@ def main(argv: list[str] | None = None) -> None:
 
 def _plan(args: argparse.Namespace) -> int:
     from api.planning import PlanRequest, plan_model
+    from engine._capi import llama
+    from engine.devices import gpu_memory
     from engine.gguf_meta import read_meta
     from engine.plan import PlanDoesNotFit, format_plan, plan_to_json
 
     logging.basicConfig(level=logging.WARNING)
+    if args.vram_budget is None and not gpu_memory(llama()):
+        sys.stderr.write(
+            "one-gpu plan: no GPU on this host; give --vram-budget SIZE to plan for one\n"
+        )
+        return 2
     req = PlanRequest(
         vram_budget=args.vram_budget, ram_budget=args.ram_budget,
         kv_tokens=args.ctx * args.parallel, n_ubatch=args.n_ubatch, n_seq=args.parallel,

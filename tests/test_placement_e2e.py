@@ -19,6 +19,8 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.server_proc import ROOT, Server, start_server
+from engine._capi import llama
+from engine.devices import gpu_memory
 from engine.gguf_meta import read_meta
 from engine.plan import PlanOptions, vram_for_expert_share
 from tests.tiny_gguf import Shape, write_qwen3moe
@@ -101,6 +103,12 @@ def test_plan_cli_refuses_a_gpu_too_small_with_the_numbers(model: Path) -> None:
     assert "Would help:" in out.stderr
     bad = one_gpu("plan", str(model), "--vram-budget", "lots")
     assert bad.returncode == 2 and "not a size" in bad.stderr
+    # Without a budget the plan is for this host's GPU; with none, it says what to give.
+    default = one_gpu("plan", str(model), "--ctx", "256")
+    if gpu_memory(llama()):
+        assert default.returncode == 0, default.stderr
+    else:
+        assert default.returncode == 2 and "give --vram-budget" in default.stderr
 
 
 def test_serve_refuses_a_plan_that_does_not_fit_and_a_plan_for_another_model(
