@@ -62,6 +62,7 @@ class StepCostModel:
     """The learned step-time model."""
 
     BIAS_GAIN = 0.3  # weight of the newest step in `bias`
+    BIAS_RELAX = 0.05  # per decode-only step, `bias` moves this share back toward 1
     BIAS_RANGE = (0.5, 4.0)
 
     def __init__(self) -> None:
@@ -104,6 +105,9 @@ class StepCostModel:
         if n_prompt == 0:
             if n_decode:
                 self._dec.add(n_decode, seconds)
+                # Between prefills the bias relaxes: a transient (another process for a
+                # while) must not shrink the next prompt's chunks for good.
+                self.bias += self.BIAS_RELAX * (1.0 - self.bias)
             return
         if n_decode and self._dec.ready and self._tok.ready:  # a step the budget planned
             modelled = self.decode_time(n_decode) + sum(self.chunk_time(n, d) for n, d in chunks)

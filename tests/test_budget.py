@@ -122,6 +122,20 @@ def test_a_machine_that_slows_down_is_caught_up_with_within_a_few_steps() -> Non
     assert len(over) <= 3, f"{len(over)} steps over the target: {over}"
 
 
+def test_the_bias_follows_a_slow_spell_and_relaxes_after_it() -> None:
+    m = StepCostModel()
+    for _ in range(50):
+        m.observe(4, [], 0.012)
+        m.observe(4, [(256, 1000)], 0.012 + 256 * 0.001)
+    assert m.bias == pytest.approx(1.0, abs=0.01)
+    for _ in range(10):  # the machine runs 2x slower for a while
+        m.observe(4, [(256, 1000)], 2 * (0.012 + 256 * 0.001))
+    assert m.bias > 1.3
+    for _ in range(100):  # decode-only steps after the prefill
+        m.observe(4, [], 0.012)
+    assert m.bias == pytest.approx(1.0, abs=0.02)
+
+
 def test_two_long_prompts_go_first_come_first_served_and_both_finish() -> None:
     """FCFS: the older prompt takes the step's prompt time first (and always its minimum
     chunk); the younger one gets what is left, then all of it. Nobody starves."""
