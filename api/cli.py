@@ -148,9 +148,23 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _experts(args: argparse.Namespace) -> int:
+    import json
+    import urllib.error
+
     from api.experts import fetch_report, format_report, report_json
 
-    r = fetch_report(args.url, args.top)
+    try:
+        r = fetch_report(args.url, args.top)
+    except urllib.error.HTTPError as e:  # the server's OpenAI-style error says why
+        try:
+            why = json.loads(e.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            why = str(e)
+        sys.stderr.write(f"one-gpu experts: {why}\n")
+        return 2
+    except OSError as e:
+        sys.stderr.write(f"one-gpu experts: cannot reach {args.url}: {e}\n")
+        return 2
     sys.stdout.write((report_json(r) if args.json else format_report(r)) + "\n")
     return 0
 

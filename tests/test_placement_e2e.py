@@ -18,7 +18,7 @@ import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.server_proc import ROOT, Server, start_server
+from bench.server_proc import ROOT, Server, free_port, start_server
 from engine._capi import llama
 from engine.devices import gpu_memory
 from engine.gguf_meta import read_meta
@@ -103,6 +103,8 @@ def test_plan_cli_refuses_a_gpu_too_small_with_the_numbers(model: Path) -> None:
     assert "Would help:" in out.stderr
     bad = one_gpu("plan", str(model), "--vram-budget", "lots")
     assert bad.returncode == 2 and "not a size" in bad.stderr
+    nobody = one_gpu("experts", "--url", f"http://127.0.0.1:{free_port()}")
+    assert nobody.returncode == 2 and "cannot reach" in nobody.stderr
     # Without a budget the plan is for this host's GPU; with none, it says what to give.
     default = one_gpu("plan", str(model), "--ctx", "256")
     if gpu_memory(llama()):
@@ -205,6 +207,16 @@ def test_answers_match_the_model_served_without_a_plan_and_picks_add_up(
         "onegpu_placement_tensors{device=ram}"
     ] == len(read_meta(model).tensors)
 
+    # The operator's view of the same counts: `one-gpu experts`.
+    cli = one_gpu("experts", "--url", planned.url, "--top", "3", "--json")
+    assert cli.returncode == 0, cli.stderr
+    assert (
+        json.loads(cli.stdout)["picks"] == after["picks"]
+        and len(json.loads(cli.stdout)["top"]) == 3
+    )
+    table = one_gpu("experts", "--url", planned.url)
+    assert "picks served by GPU-resident expert tensors" in table.stdout
+
     plain = start_server(
         ["--model", str(model), *COMMON, "--expert-sample-rate", "0"], tmp_path / "plain.log"
     )
@@ -213,5 +225,7 @@ def test_answers_match_the_model_served_without_a_plan_and_picks_add_up(
         # Telemetry off: the endpoint says so, and nothing was attached.
         r = httpx.get(plain.url + "/experts")
         assert r.status_code == 400 and "expert telemetry is off" in r.json()["error"]["message"]
+        off = one_gpu("experts", "--url", plain.url)
+        assert off.returncode == 2 and "expert telemetry is off" in off.stderr
     finally:
         plain.stop()
