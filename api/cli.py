@@ -123,7 +123,7 @@ def _plan(args: argparse.Namespace) -> int:
     from engine._capi import llama
     from engine.devices import gpu_memory
     from engine.gguf_meta import read_meta
-    from engine.plan import PlanDoesNotFit, format_plan, plan_to_json
+    from engine.plan import PlanDoesNotFit, PlanOptions, format_plan, plan_to_json
 
     logging.basicConfig(level=logging.WARNING)
     if args.vram_budget is None and not gpu_memory(llama()):
@@ -131,10 +131,8 @@ def _plan(args: argparse.Namespace) -> int:
             "one-gpu plan: no GPU on this host; give --vram-budget SIZE to plan for one\n"
         )
         return 2
-    req = PlanRequest(
-        vram_budget=args.vram_budget, ram_budget=args.ram_budget,
-        kv_tokens=args.ctx * args.parallel, n_ubatch=args.n_ubatch, n_seq=args.parallel,
-    )  # fmt: skip
+    opts = PlanOptions(kv_tokens=args.ctx * args.parallel, n_ubatch=args.n_ubatch)
+    req = PlanRequest(vram_budget=args.vram_budget, ram_budget=args.ram_budget, options=opts)
     try:
         plan = plan_model(read_meta(args.model), req)
     except PlanDoesNotFit as e:
@@ -208,14 +206,14 @@ def _serve(args: argparse.Namespace) -> None:
         chunk=args.repro_chunk,
     )
     from api.planning import PlanRefused, PlanRequest, plan_for_serve
-    from engine.plan import format_plan
+    from engine.plan import PlanOptions, format_plan
 
-    req = PlanRequest(
-        vram_budget=args.vram_budget, ram_budget=args.ram_budget,
+    opts = PlanOptions(
         kv_tokens=engine.n_ctx + lanes.slots * lanes.ctx,
         n_ubatch=max(engine.n_ubatch, lanes.chunk) if lanes.slots else engine.n_ubatch,
-        n_seq=engine.n_seq_max, contexts=2 if lanes.slots else 1,
-    )  # fmt: skip
+        contexts=2 if lanes.slots else 1,
+    )
+    req = PlanRequest(vram_budget=args.vram_budget, ram_budget=args.ram_budget, options=opts)
     try:
         engine, plan = plan_for_serve(engine, req, args.plan)
     except (PlanRefused, ValueError) as e:

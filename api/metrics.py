@@ -192,10 +192,9 @@ class Metrics:
         if s.num_step_prompt_tokens:
             self.step_prompt_tokens.observe(s.num_step_prompt_tokens)
         for term, v in s.cost_model.items():
-            if term == "bias":
-                self.cost_bias.set(v)
-            else:
-                self.cost_model.labels(term=term).set(v)
+            self.cost_model.labels(term=term).set(v)
+        if s.cost_bias is not None:
+            self.cost_bias.set(s.cost_bias)
         self.step_tokens.observe(s.num_step_tokens)
         self.step_seqs.observe(s.num_step_seqs)
         self.step_time.observe(s.step_s)

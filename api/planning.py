@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from engine._capi import llama
@@ -44,10 +44,7 @@ class PlanRefused(Exception):
 class PlanRequest:
     vram_budget: str | None = None  # SIZE; None = the GPU's free memory
     ram_budget: str | None = None  # SIZE; None = MemAvailable
-    kv_tokens: int = 16384  # KV cells the server reserves, all sequences and lanes
-    n_ubatch: int = 512
-    n_seq: int = 1
-    contexts: int = 1  # 2 with the reproducible lane's own context
+    options: PlanOptions = field(default_factory=PlanOptions)  # KV, ubatch, contexts
 
 
 def budgets(req: PlanRequest) -> Budgets:
@@ -61,15 +58,9 @@ def budgets(req: PlanRequest) -> Budgets:
     return Budgets(vram=vram, ram=ram)
 
 
-def _options(req: PlanRequest) -> PlanOptions:
-    return PlanOptions(
-        kv_tokens=req.kv_tokens, n_ubatch=req.n_ubatch, n_seq=req.n_seq, contexts=req.contexts
-    )
-
-
 def plan_model(meta: ModelMeta, req: PlanRequest) -> Plan:
     """Plan `meta` for this host; raises `PlanDoesNotFit` with the numbers."""
-    return make_plan(meta, budgets(req), _options(req))
+    return make_plan(meta, budgets(req), req.options)
 
 
 def plan_for_serve(
@@ -120,7 +111,7 @@ def _check_saved(
         )
     have = budgets(req)
     in_ram = any(expert_layer(t.name) >= 0 and t.device == "ram" for t in plan.tensors)
-    vram, ram = reserves(meta, _options(req), have.ram, experts_in_ram=in_ram)
+    vram, ram = reserves(meta, req.options, have.ram, experts_in_ram=in_ram)
     need_vram = plan.bytes_on("gpu") + vram.total
     need_ram = plan.bytes_on("ram") + ram.total
     # No GPU and no budget (vram 0): the loader keeps everything in RAM whatever the plan.

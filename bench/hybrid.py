@@ -41,20 +41,20 @@ class Row:
     peer_vram: dict[str, float | None] = field(default_factory=dict)
 
 
-def _plan_cpu_layers(model: Path, budget: str, kv_tokens: int, n_seq: int) -> tuple[str, int, str]:
+def _plan_cpu_layers(model: Path, budget: str, kv_tokens: int) -> tuple[str, int, str]:
     """The budget in bytes (`half-experts`: the non-expert part, the reserves and half the
     routed experts' bytes), the layers whose experts our plan does not hold entirely on the
     GPU (llama.cpp's `--n-cpu-moe` N for the same budget), and the plan's table."""
     from api.planning import PlanRequest, plan_model
     from engine.gguf_meta import read_meta
-    from engine.plan import PlanOptions, format_plan, vram_for_expert_share
+    from engine.plan import PlanOptions, expert_layer, format_plan, vram_for_expert_share
 
     meta = read_meta(model)
+    opts = PlanOptions(kv_tokens=kv_tokens)  # the server's: --repro-slots 0, n_ubatch 512
     if budget == "half-experts":
-        opts = PlanOptions(kv_tokens=kv_tokens, n_seq=n_seq)
         budget = str(vram_for_expert_share(meta, opts, 0.5))
-    plan = plan_model(meta, PlanRequest(vram_budget=budget, kv_tokens=kv_tokens, n_seq=n_seq))
-    moe_layers = {int(t.name.split(".")[1]) for t in plan.tensors if "_exps" in t.name}
+    plan = plan_model(meta, PlanRequest(vram_budget=budget, options=opts))
+    moe_layers = {expert_layer(t.name) for t in plan.tensors} - {-1}
     return budget, len(moe_layers) - plan.expert_layers_on_gpu, format_plan(plan)
 
 
@@ -62,9 +62,7 @@ def run(args: argparse.Namespace) -> list[Row]:
     model = Path(args.model)
     conc = args.concurrency
     setup = Setup.sized(model, conc, args.isl, args.osl, args.threads, gpu=True)
-    budget, n_cpu, plan_text = _plan_cpu_layers(
-        model, args.vram_budget, setup.n_ctx, setup.n_parallel
-    )
+    budget, n_cpu, plan_text = _plan_cpu_layers(model, args.vram_budget, setup.n_ctx)
     args.vram_budget = budget
     print(plan_text, flush=True)
     rows = {

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import httpx
 
+from bench.vram import process_vram_mib
+
 ROOT = Path(__file__).resolve().parent.parent  # the checkout: `python -m api.cli` runs from it
 
 
@@ -48,24 +50,7 @@ class Server:
 
     def vram_mib(self) -> float | None:
         """GPU memory held by the process (nvidia-smi), None without a GPU."""
-        try:
-            out = subprocess.run(
-                [
-                    "nvidia-smi",
-                    "--query-compute-apps=pid,used_memory",
-                    "--format=csv,noheader,nounits",
-                ],
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout
-        except (OSError, subprocess.CalledProcessError):
-            return None
-        for line in out.splitlines():
-            pid, mem = (x.strip() for x in line.split(","))
-            if pid == str(self.proc.pid):
-                return float(mem)
-        return None
+        return process_vram_mib(self.proc.pid)
 
     def stop(self) -> int:
         self.proc.terminate()

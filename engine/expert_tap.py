@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from engine.errors import ModelLoadError
+from engine.placement import libggml
 
 log = logging.getLogger(__name__)
 
@@ -56,14 +57,6 @@ class _TapState(ctypes.Structure):  # mirrors struct expert_tap in expert_tap.c
 _GET_SCHED = "_ZNK13llama_context9get_schedEv"
 
 
-def _ggml_base(ll: Any) -> ctypes.CDLL:
-    """The libggml-base that libllama already loaded (by soname, so the same copy)."""
-    try:
-        return ctypes.CDLL("libggml-base.so.0")
-    except OSError:
-        return ctypes.CDLL(str(Path(ll.__file__).parent / "lib" / "libggml-base.so.0"))
-
-
 class ExpertTap:
     """Pick counts of one context's MoE layers; `attach` before the context is created."""
 
@@ -77,9 +70,8 @@ class ExpertTap:
             raise ModelLoadError(
                 f"expert telemetry needs {LIBRARY.name}: run `make` (or set the sample rate to 0)"
             )
-        self.ll = ll
         self._lib = ctypes.CDLL(str(LIBRARY))
-        base = _ggml_base(ll)
+        base = libggml(ll)  # its handle also finds libggml-base's symbols (dlsym searches deps)
         self.counts = np.zeros((n_layer, n_expert), dtype=np.int64)
         self._buf = np.zeros(n_expert * n_ubatch, dtype=np.int32)  # a view spans argsort rows
         s = self._state = _TapState()
@@ -102,7 +94,7 @@ class ExpertTap:
         if self._get_sched is not None:
             self._get_sched.argtypes = [ctypes.c_void_p]
             self._get_sched.restype = ctypes.c_void_p
-        self._sched: int | None = None
+        self._ctx: ctypes.c_void_p | None = None  # set by `bind` when the scheduler is reachable
         self._callback_ptr = ctypes.cast(self._callback, ctypes.c_void_p).value
 
     def attach(self, cparams: Any) -> None:
@@ -118,7 +110,6 @@ class ExpertTap:
             log.warning("expert telemetry: %s not exported; the callback stays on", _GET_SCHED)
             return
         self._ctx = ctypes.cast(ctx, ctypes.c_void_p)
-        self._sched = self._get_sched(self._ctx) or None
 
     def before_decode(self) -> None:
         """Arm this decode when the sampling rate says so (engine thread only), and install
@@ -131,25 +122,13 @@ class ExpertTap:
             self._credit -= 1.0
             self.sampled_steps += 1
         self._state.armed = int(armed)
-        if self._sched is not None:
+        if self._ctx is not None:
             # Asked every step: llama.cpp replaces its scheduler when it must re-reserve.
-            self._sched = self._get_sched(self._ctx) or self._sched
+            sched = self._get_sched(self._ctx)
             if armed:
-                self._set_callback(self._sched, self._callback_ptr, ctypes.addressof(self._state))
+                self._set_callback(sched, self._callback_ptr, ctypes.addressof(self._state))
             else:
-                self._set_callback(self._sched, None, None)
-
-    def after_decode(self) -> None:
-        self._state.armed = 0
-
-    @property
-    def reads(self) -> int:
-        """Router outputs read so far (one per MoE layer per sampled ubatch)."""
-        return int(self._state.reads)
-
-    @property
-    def skipped(self) -> int:
-        return int(self._state.skipped)
+                self._set_callback(sched, None, None)
 
     @property
     def calls(self) -> int:

@@ -54,7 +54,6 @@ class Budgets(msgspec.Struct, frozen=True):
 class PlanOptions(msgspec.Struct, frozen=True):
     kv_tokens: int = 16384  # KV cells over all sequences and contexts
     n_ubatch: int = 512
-    n_seq: int = 1
     contexts: int = 1  # llama contexts sharing the weights (each has compute buffers)
     vram_margin: int = GiB  # CUDA context, cuBLAS workspace, allocator slack
     ram_margin: int = 4 * GiB  # the process, Python, page-cache churn (at most 5% of RAM)
@@ -177,11 +176,18 @@ def vram_for_expert_share(meta: ModelMeta, opts: PlanOptions, share: float) -> i
     """The VRAM budget that holds the non-expert part, the reserves and `share` of the
     routed experts' bytes (benchmarks and tests use it to ask for "about half")."""
     vram, _ = reserves(meta, opts, experts_in_ram=share < 1)
-    experts = sum(t.nbytes for t in meta.tensors if _EXPERT.match(t.name))
-    dense = sum(
-        t.nbytes for t in meta.tensors if not _EXPERT.match(t.name) and not _host_only(t.name)
+    return vram.total + _dense_gpu_bytes(meta) + round(share * _expert_bytes(meta))
+
+
+def _dense_gpu_bytes(meta: ModelMeta) -> int:
+    """The non-expert tensors the GPU must hold (all but the host-only ones)."""
+    return sum(
+        t.nbytes for t in meta.tensors if expert_layer(t.name) < 0 and not _host_only(t.name)
     )
-    return vram.total + dense + round(share * experts)
+
+
+def _expert_bytes(meta: ModelMeta) -> int:
+    return sum(t.nbytes for t in meta.tensors if expert_layer(t.name) >= 0)
 
 
 def expert_layer(name: str) -> int:
@@ -196,20 +202,17 @@ def _host_only(name: str) -> bool:
 
 def make_plan(meta: ModelMeta, budgets: Budgets, opts: PlanOptions) -> Plan:
     """Place every tensor of `meta` within `budgets` (see the module doc for the order)."""
+    dense = _dense_gpu_bytes(meta)
     vram_res, ram_res = reserves(meta, opts, budgets.ram)
-    if (
-        vram_res.total + sum(t.nbytes for t in meta.tensors if not _host_only(t.name))
-        > budgets.vram
-    ):
+    if vram_res.total + dense + _expert_bytes(meta) > budgets.vram:
         vram_res, ram_res = reserves(meta, opts, budgets.ram, experts_in_ram=True)
     device: dict[str, Device] = {}
     experts = []
     for t in meta.tensors:
-        if _EXPERT.match(t.name):
+        if expert_layer(t.name) >= 0:
             experts.append(t)
         else:
             device[t.name] = "ram" if _host_only(t.name) else "gpu"
-    dense = sum(t.nbytes for t in meta.tensors if device.get(t.name) == "gpu")
     free = budgets.vram - vram_res.total - dense
     if free < 0:
         raise PlanDoesNotFit(

@@ -119,8 +119,6 @@ class Engine:
             tap.before_decode()
         t0 = time.perf_counter()
         rc = self.ll.llama_decode(self._ctx, self._batch)
-        if tap is not None:
-            tap.after_decode()
         raise_for_decode(rc)
         # GPU backends return before the graph has run; wait here so decode_s is the
         # compute and the rest of the step is truly ours.

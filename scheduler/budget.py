@@ -81,6 +81,14 @@ class StepCostModel:
         a, b = self._dec.fit()
         return a + b * n_decode
 
+    def step_time(self, n_decode: int, chunks: list[tuple[int, int]]) -> float:
+        """Modelled seconds for a step of `n_decode` decode tokens and prompt `chunks` as
+        (tokens, start depth); the decode part only while no prompt has been measured."""
+        t = self.decode_time(n_decode)
+        if self._tok.ready:
+            t += sum(self.chunk_time(n, d) for n, d in chunks)
+        return t
+
     def chunk_time(self, n: int, depth: int) -> float:
         """Modelled seconds for an n-token prompt chunk starting at KV depth `depth`."""
         c0, c1 = self._tok.fit()
@@ -110,7 +118,7 @@ class StepCostModel:
                 self.bias += self.BIAS_RELAX * (1.0 - self.bias)
             return
         if n_decode and self._dec.ready and self._tok.ready:  # a step the budget planned
-            modelled = self.decode_time(n_decode) + sum(self.chunk_time(n, d) for n, d in chunks)
+            modelled = self.step_time(n_decode, chunks)
             if modelled > 0:
                 lo, hi = self.BIAS_RANGE
                 ratio = min(hi, max(lo, seconds / modelled))
@@ -122,7 +130,7 @@ class StepCostModel:
 
     def estimate(self) -> dict[str, float]:
         """The model's current figures (for /metrics)."""
-        out: dict[str, float] = {"bias": self.bias}
+        out: dict[str, float] = {}
         if self._dec.ready:
             out["decode_base_s"], out["decode_per_token_s"] = self._dec.fit()
         if self._tok.ready:

@@ -50,14 +50,6 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def modelled_step_s(self, out: SchedulerOutput) -> float:
-        """What the learned cost model expects `out` to take in the engine."""
-        if not self.cost.knows_prompts:
-            return self.cost.decode_time(out.num_decode)
-        return self.cost.decode_time(out.num_decode) + sum(
-            self.cost.chunk_time(n, d) for n, d in out.prompt_chunks
-        )
-
     def __init__(self, cfg: SchedulerConfig) -> None:
         if cfg.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
@@ -251,6 +243,7 @@ class Scheduler:
             num_step_tokens=out.batch.num_tokens,
             num_step_prompt_tokens=sum(n for n, _ in out.prompt_chunks),
             cost_model=self.cost.estimate(),
+            cost_bias=self.cost.bias,
             num_step_seqs=len(out.batch.chunks),
             num_preempted=out.num_preempted,
             fill_s=result.fill_s,

@@ -146,7 +146,7 @@ class EngineLoop:
         bounded = (
             sched.cfg.max_stall_s is not None and out.num_decode > 0 and bool(out.prompt_chunks)
         )
-        modelled = sched.modelled_step_s(out) if bounded else 0.0
+        modelled = sched.cost.step_time(out.num_decode, out.prompt_chunks) if bounded else 0.0
         p1 = time.perf_counter()
         result: StepResult | None
         try:

@@ -43,3 +43,4 @@ class StepStats:
     itl_s: list[float] = field(default_factory=list)
     finished: list[FinishedStats] = field(default_factory=list)
     cost_model: dict[str, float] = field(default_factory=dict)  # the scheduler's estimates
+    cost_bias: float | None = None  # its measured / modelled time of recent planned steps

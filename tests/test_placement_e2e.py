@@ -15,14 +15,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from openai import OpenAI
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.server_proc import ROOT, Server, free_port, start_server
 from engine._capi import llama
 from engine.devices import gpu_memory
 from engine.gguf_meta import read_meta
 from engine.plan import PlanOptions, vram_for_expert_share
+from tests.test_api_e2e import client, metrics
 from tests.tiny_gguf import Shape, write_qwen3moe
 
 pytestmark = pytest.mark.e2e
@@ -150,7 +149,7 @@ def test_tensors_land_where_the_plan_says(planned: Server, model: Path, budget: 
 
 
 def _greedy(srv: Server, prompt: str, n: int) -> tuple[str, int, int, str]:
-    c = OpenAI(base_url=srv.base_url, api_key="none", _strict_response_validation=True)
+    c = client(srv)
     r = c.completions.create(
         model=c.models.list().data[0].id, prompt=prompt, max_tokens=n, temperature=0,
         extra_body={"ignore_eos": True},
@@ -164,15 +163,6 @@ def _experts(srv: Server) -> dict:
     r = httpx.get(srv.url + "/experts", params={"top": 100})
     assert r.status_code == 200
     return r.json()
-
-
-def _metrics(srv: Server) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(httpx.get(srv.url + "/metrics").text):
-        for s in fam.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return out
 
 
 def test_answers_match_the_model_served_without_a_plan_and_picks_add_up(
@@ -193,7 +183,7 @@ def test_answers_match_the_model_served_without_a_plan_and_picks_add_up(
     assert per_layer[-1] == used * n_gen
     assert after["picks"] == sum(after["picks_per_layer"])
     assert sum(t["picks"] for t in after["top"]) == after["picks"]  # top 100 >= 4 x 4 experts
-    m = _metrics(planned)
+    m = metrics(planned)
     by_residence = (
         m["onegpu_expert_picks_total{residence=gpu}"]
         + m["onegpu_expert_picks_total{residence=ram}"]
