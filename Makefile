@@ -24,15 +24,22 @@ else
   LLAMA_PIP_FLAGS :=
 endif
 STAMP := $(VENV)/.installed-$(GPU)
-# The expert-telemetry callback (engine/expert_tap.py says why it is C); no link dependency.
+# Native parts, no link dependency: the expert-telemetry callback (engine/expert_tap.py says
+# why it is C) and the step's decode-and-sample call (engine/native/decode_sample.c). Built on
+# the machine that runs them, for its CPU.
 TAP := engine/native/libexpert_tap.so
+STEP := engine/native/libdecode_sample.so
+NATIVE := $(TAP) $(STEP)
 
 .PHONY: install serve test check bench bench-stall bench-repro model clean
 
-install: $(STAMP) $(TAP)
+install: $(STAMP) $(NATIVE)
 
 $(TAP): engine/native/expert_tap.c
 	$(CC) -O2 -Wall -Wextra -shared -fPIC -o $@ $<
+
+$(STEP): engine/native/decode_sample.c
+	$(CC) -O3 -march=native -fno-trapping-math -Wall -Wextra -shared -fPIC -pthread -o $@ $< -lm
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,10 +53,10 @@ $(STAMP): pyproject.toml
 model: $(STAMP)
 	$(PY) -c "from engine.default_model import default_model_path; print(default_model_path())"
 
-serve: $(STAMP) $(TAP) model
+serve: $(STAMP) $(NATIVE) model
 	$(VENV)/bin/one-gpu serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
-test: $(STAMP) $(TAP)
+test: $(STAMP) $(NATIVE)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 check: $(STAMP)
@@ -57,14 +64,14 @@ check: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-bench: $(STAMP) $(TAP) model
+bench: $(STAMP) $(NATIVE) model
 	$(PY) -m bench.compare $(BENCH_ARGS)
 
-bench-stall: $(STAMP) $(TAP) model
+bench-stall: $(STAMP) $(NATIVE) model
 	$(PY) -m bench.stall $(BENCH_ARGS)
 
-bench-repro: $(STAMP) $(TAP) model
+bench-repro: $(STAMP) $(NATIVE) model
 	$(PY) -m bench.repro $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) $(TAP) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(NATIVE) .mypy_cache .ruff_cache .pytest_cache

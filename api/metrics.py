@@ -112,13 +112,14 @@ class Metrics:
         self.phase_time = Counter(
             "onegpu_step_phase_seconds",
             "Step time by phase: schedule, fill (batch + sampler setup), decode (llama_decode), "
-            "sample, postprocess (detokenize, stops, fan-out), other (thread hand-off, waits)",
+            "sample, gil (the engine thread waiting for Python's GIL after its native step), "
+            "postprocess (detokenize, stops, fan-out), other (thread hand-off, waits)",
             ["phase"],
             registry=r,
         )
         self._phases = {
             p: self.phase_time.labels(phase=p)
-            for p in ("schedule", "fill", "decode", "sample", "postprocess", "other")
+            for p in ("schedule", "fill", "decode", "sample", "gil", "postprocess", "other")
         }
         info = Gauge("onegpu_model_info", "The served model", ["model"], registry=r)
         info.labels(model=model_name).set(1)
@@ -205,6 +206,7 @@ class Metrics:
             "fill": s.fill_s,
             "decode": s.decode_s,
             "sample": s.sample_s,
+            "gil": s.gil_s,
             "postprocess": s.postprocess_s,
         }
         parts["other"] = max(0.0, s.step_s - sum(parts.values()))

@@ -157,7 +157,7 @@ class Results:
         return float(statistics.median(getattr(c, attr) for c in cells))
 
 
-PHASES = ("schedule", "fill", "decode", "sample", "postprocess", "other")
+PHASES = ("schedule", "fill", "decode", "sample", "gil", "postprocess", "other")
 
 
 def step_counters(server: Server) -> dict[str, float]:

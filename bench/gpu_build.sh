@@ -11,6 +11,8 @@ tar xzf .gpu/llama-cpp-python-src.tgz -C "$W"
 SRC="$W/llama_cpp_python-0.3.36"
 L="$SRC/vendor/llama.cpp"
 cc -O2 -Wall -shared -fPIC -o engine/native/libexpert_tap.so engine/native/expert_tap.c
+cc -O3 -march=native -fno-trapping-math -Wall -shared -fPIC -pthread \
+  -o engine/native/libdecode_sample.so engine/native/decode_sample.c -lm
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$W/site" .gpu/*.whl
 cat > "$W/env.sh" <<ENV
 export LLAMA_CPP_LIB_PATH=$L/build/bin

@@ -6,7 +6,8 @@
 #   Steps: engine compare stall repro stall-cpumoe (default: all, in that order); also
 #   quick variants, hybrid (issue 6: planner under a VRAM budget vs --n-cpu-moe),
 #   hybrid-levers (the planned layout with --threads 15, and with telemetry off) and
-#   tap-cost (router telemetry on/off, engine only). At the end every result file is
+#   tap-cost (router telemetry on/off, engine only), native (engine alone, greedy and
+#   typical, 1/8/32 sequences: the native decode-and-sample step). At the end every result file is
 #   concatenated into RESULTS/all.txt: the device returns only a few files.
 set -uo pipefail
 W=${1:?WORKDIR}; R=${2:?RESULTS}; shift 2
@@ -34,6 +35,8 @@ for s in "${steps[@]}"; do
       --prompt-tokens 65000 --decoders 4 ;;
     stall-cpumoe) run stall-cpumoe python3 -m bench.stall --gpu --peer-bin "$PEER_BIN" \
       --model "$MODEL" --prompt-tokens 16384 --decoders 4 --cpu-moe ;;
+    native) run engine python3 -m bench.engine_step --model "$MODEL" --concurrency 1 8 32 \
+      --modes host-greedy typical --steps 200 ;;
     engine-quick) run engine python3 -m bench.engine_step --model "$MODEL" --concurrency 8 32 \
       --modes host-greedy device-greedy --steps 32 ;;
     compare-quick) run compare python3 -m bench.compare --gpu --peer-bin "$PEER_BIN" \

@@ -19,6 +19,7 @@ import numpy as np
 from engine.context import Context
 from engine.errors import InvalidBatch, raise_for_decode
 from engine.model import Model
+from engine.native_step import NativeStep
 from engine.sampling import SamplerBank
 from engine.step_types import SeqChunk, StepBatch, StepResult
 
@@ -55,8 +56,12 @@ class Engine:
         self._batch.n_seq_id = self._nseq.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
         self._batch.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(seq_ptr_t))
         self._batch.logits = self._out.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        threads = model.cfg.threads()[1]
+        self.native = NativeStep(
+            ll, self._ctx, self._batch, self.context.n_slots, model.n_vocab, threads
+        )
         self.sampler = SamplerBank(
-            ll, self._ctx, model.n_vocab, model.cfg.threads()[1], self.context.device_greedy
+            ll, self._ctx, model.n_vocab, self.native, threads, self.context.device_greedy
         )
 
     def step(self, batch: StepBatch) -> StepResult:
@@ -87,6 +92,7 @@ class Engine:
             result.fill_s += part.fill_s
             result.decode_s += part.decode_s
             result.sample_s += part.sample_s
+            result.gil_s += part.gil_s
             t_start = time.perf_counter()
         return result
 
@@ -118,16 +124,15 @@ class Engine:
         if tap is not None:
             tap.before_decode()
         t0 = time.perf_counter()
-        rc = self.ll.llama_decode(self._ctx, self._batch)
+        # Decode, wait for the device (so decode_s is the compute), sample: one native call.
+        rc, times = self.native.decode_sample([seq_id for seq_id, _ in want])
         raise_for_decode(rc)
-        # GPU backends return before the graph has run; wait here so decode_s is the
-        # compute and the rest of the step is truly ours.
-        self.ll.llama_synchronize(self._ctx)
         t1 = time.perf_counter()
-        sampled = self.sampler.sample_all(want)
+        sampled = self.sampler.finish(want, self.native.out)
         return StepResult(
-            sampled, fill_s=t0 - t_start, decode_s=t1 - t0, sample_s=time.perf_counter() - t1
-        )
+            sampled, fill_s=t0 - t_start, decode_s=times.decode_s,
+            sample_s=times.sample_s + time.perf_counter() - t1, gil_s=times.gil_s,
+        )  # fmt: skip
 
     def seq_pos_max(self, seq_id: int) -> int:
         """Largest KV position of a scheduler sequence id; -1 when it holds none."""

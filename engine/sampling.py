@@ -1,13 +1,13 @@
-"""Per-sequence token sampling: llama.cpp sampler chains, a numpy fast path, logprobs.
+"""Per-sequence token sampling: native rows, llama.cpp sampler chains, logprobs.
 
-Greedy requests without penalties or logprobs are sampled on the device when the context
-carries device greedy chains (`engine.context`): one token id per row comes back instead of
-a row of logits. Without them they take `argmax` of the logits row directly (same result,
-no per-token sampler overhead). Other requests run their own
-llama.cpp chain, one per sequence, spread over worker threads: a chain over a 150K–260K
-vocabulary costs ~0.5 ms of CPU, ctypes releases the GIL for the call, and the cores are
-otherwise idle between two decodes. Logprobs always come from the raw logits row
-(log-softmax), as OpenAI reports the model's own distribution.
+Every request without penalties is sampled by the step's native code
+(`engine.native_step`: greedy argmax, or top-k / top-p / min-p / temperature draws with
+a per-request random state), inside the same ctypes call as `llama_decode`. Requests with
+penalties run their own llama.cpp chain, one per sequence, spread over worker threads (a
+chain over a 150K-260K vocabulary costs ~0.5 ms of CPU, ctypes releases the GIL for the
+call). Plain greedy requests may instead be sampled on the device when the context
+carries device greedy chains (`engine.context`). Logprobs always come from the raw
+logits row (log-softmax), as OpenAI reports the model's own distribution.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from engine.errors import BackendError
+from engine.native_step import ROW_PYTHON, NativeStep, native_mode
 from engine.step_types import Sampled, SamplingParams, SeqStart
 
 PENALTY_LAST_N = 64
@@ -28,9 +29,11 @@ class SamplerBank:
     """Owns one sampler chain per live sequence (none for plain greedy)."""
 
     def __init__(
-        self, ll: Any, ctx: Any, n_vocab: int, n_threads: int = 1, device_greedy: bool = False
-    ) -> None:
+        self, ll: Any, ctx: Any, n_vocab: int, native: NativeStep, n_threads: int = 1,
+        device_greedy: bool = False,
+    ) -> None:  # fmt: skip
         self.ll = ll
+        self.native = native
         self.ctx = ctx
         self.n_vocab = n_vocab
         self.device_greedy = device_greedy
@@ -46,19 +49,23 @@ class SamplerBank:
         self.release(s.seq_id)
         p = s.params
         self._params[s.seq_id] = p
-        if p.is_greedy and not p.has_penalties:
-            if self.device_greedy and not p.logprobs:
-                self._on_device.add(s.seq_id)
-                return True
-            return False
-        chain = self._build(p)
-        for tok in s.history:
-            self.ll.llama_sampler_accept(chain, tok)
-        self._chains[s.seq_id] = chain
+        mode = native_mode(p)
+        if p.is_greedy and not p.has_penalties and self.device_greedy and not p.logprobs:
+            self._on_device.add(s.seq_id)
+            return True
+        # A restarted sequence skips the draws its tokens took: a seeded request goes on
+        # as if it had never been preempted.
+        self.native.set_slot(s.seq_id, p, mode, skip=len(s.history))
+        if mode == ROW_PYTHON:
+            chain = self._build(p)
+            for tok in s.history:
+                self.ll.llama_sampler_accept(chain, tok)
+            self._chains[s.seq_id] = chain
         return False
 
     def release(self, seq_id: int) -> None:
         self._on_device.discard(seq_id)
+        self.native.clear_slot(seq_id)
         chain = self._chains.pop(seq_id, None)
         if chain is not None:
             self.ll.llama_sampler_free(chain)
@@ -99,41 +106,44 @@ class SamplerBank:
         add(chain, ll.llama_sampler_init_dist(seed))
         return chain
 
-    def sample_all(self, want: list[tuple[int, int]]) -> dict[int, Sampled]:
-        """Sample every sequence of the step; `want` is (seq_id, batch index), in batch order.
+    def finish(self, want: list[tuple[int, int]], native_out: np.ndarray) -> dict[int, Sampled]:
+        """The step's tokens: `native_out[j]` for row j of `want` ((seq_id, batch index), in
+        batch order) where the native code sampled it, else the device's token or the
+        sequence's chain; logprobs from the raw logits row where asked for.
 
         llama.cpp keeps output rows in batch order, so row j of `llama_get_logits` belongs
-        to want[j]: greedy rows are reduced in one vectorised argmax over [N, V].
+        to want[j].
         """
         if not want:
             return {}
-        dev = self._on_device
-        if dev and all(seq_id in dev for seq_id, _ in want):  # nothing to read but ids
-            return {seq_id: Sampled(self._device_token(i)) for seq_id, i in want}
-        ptr = self.ll.llama_get_logits(self.ctx)
-        rows = np.ctypeslib.as_array(ptr, shape=(len(want), self.n_vocab))  # [N, V]
-        chained = [j for j, (seq_id, _) in enumerate(want) if seq_id in self._chains]
-        if not chained and not dev:  # all greedy on the host: one argmax over [N, V]
-            tokens: list[int] = rows.argmax(axis=1).tolist()
-        else:  # per-row argmax on views: fancy-indexing the greedy rows would copy them
-            tokens = [0 if s in self._chains else
-                      self._device_token(i) if s in dev else int(rows[j].argmax())
-                      for j, (s, i) in enumerate(want)]  # fmt: skip
-            jobs = [(self._chains[want[j][0]], want[j][1]) for j in chained]
-            if self._pool is not None and len(jobs) > 1:
-                picks = list(self._pool.map(self._sample_chain, jobs))
+        tokens: list[int] = native_out[: len(want)].tolist()
+        params = self._params
+        rows: np.ndarray | None = None
+        if self._chains or any(params[s].logprobs for s, _ in want):
+            ptr = self.ll.llama_get_logits(self.ctx)
+            rows = np.ctypeslib.as_array(ptr, shape=(len(want), self.n_vocab))  # [N, V]
+        jobs: list[tuple[int, tuple[Any, int]]] = []  # (row, (chain, batch index))
+        for j, (seq_id, i) in enumerate(want):
+            if tokens[j] >= 0:
+                continue
+            if seq_id in self._on_device:
+                tokens[j] = self._device_token(i)
             else:
-                picks = [self._sample_chain(job) for job in jobs]
-            for j, tok in zip(chained, picks, strict=True):
+                jobs.append((j, (self._chains[seq_id], i)))
+        if jobs:
+            if self._pool is not None and len(jobs) > 1:
+                picks = list(self._pool.map(self._sample_chain, [job for _, job in jobs]))
+            else:
+                picks = [self._sample_chain(job) for _, job in jobs]
+            for (j, _), tok in zip(jobs, picks, strict=True):
                 tokens[j] = tok
         out: dict[int, Sampled] = {}
         for j, (seq_id, _) in enumerate(want):
-            p = self._params[seq_id]
-            out[seq_id] = (
-                _with_logprobs(tokens[j], rows[j], p.top_logprobs)
-                if p.logprobs
-                else Sampled(tokens[j])
-            )
+            p = params[seq_id]
+            if p.logprobs and rows is not None:
+                out[seq_id] = _with_logprobs(tokens[j], rows[j], p.top_logprobs)
+            else:
+                out[seq_id] = Sampled(tokens[j])
         return out
 
     def _device_token(self, batch_idx: int) -> int:

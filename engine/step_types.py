@@ -90,3 +90,4 @@ class StepResult:
     fill_s: float = 0.0  # releases, sampler starts, batch fill
     decode_s: float = 0.0  # time inside llama_decode
     sample_s: float = 0.0  # time sampling and computing logprobs
+    gil_s: float = 0.0  # after the native step, waiting for Python's GIL (another thread held it)

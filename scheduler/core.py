@@ -249,6 +249,7 @@ class Scheduler:
             fill_s=result.fill_s,
             decode_s=result.decode_s,
             sample_s=result.sample_s,
+            gil_s=result.gil_s,
         )
         outputs: list[RequestOutput] = []
         for req, chunk in zip(out.reqs, out.batch.chunks, strict=True):

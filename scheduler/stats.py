@@ -36,6 +36,7 @@ class StepStats:
     fill_s: float = 0.0  # engine: releases, sampler starts, batch fill
     decode_s: float = 0.0  # inside llama_decode
     sample_s: float = 0.0  # sampling + logprobs in the engine
+    gil_s: float = 0.0  # engine thread waiting for the GIL after its native step
     postprocess_s: float = 0.0  # append, detokenize, stops, finish, hand each stream its delta
     step_s: float = 0.0  # whole step as the loop saw it (schedule → fan-out)
     ttft_s: list[float] = field(default_factory=list)
