@@ -54,6 +54,7 @@ class Setup:
     threads: int
     gpu: bool
     ours_extra: list[str] = field(default_factory=list)
+    ours_default_threads: bool = False  # our server picks its own thread count
     n_batch: int = 2048
     n_ubatch: int = 512
 
@@ -87,8 +88,7 @@ class Setup:
                 str(self.n_batch),
                 "--n-ubatch",
                 str(self.n_ubatch),
-                "--threads",
-                str(self.threads),
+                *([] if self.ours_default_threads else ["--threads", str(self.threads)]),
                 "--flash-attn",
                 "auto",
                 "--n-gpu-layers",

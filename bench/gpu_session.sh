@@ -5,7 +5,7 @@
 #   Usage: bench/gpu_session.sh WORKDIR RESULTS [STEP...]
 #   Steps: engine compare stall repro stall-cpumoe (default: all, in that order); also
 #   quick variants, hybrid (issue 6: planner under a VRAM budget vs --n-cpu-moe),
-#   hybrid-levers (the planned layout with --threads 15, and with telemetry off) and
+#   hybrid-levers (the planned layout with all 16 threads, telemetry off, --no-mmap) and
 #   tap-cost (router telemetry on/off, engine only), native (engine alone, greedy and
 #   typical, 1/8/32 sequences: the native decode-and-sample step). At the end every result file is
 #   concatenated into RESULTS/all.txt: the device returns only a few files.
@@ -48,16 +48,17 @@ for s in "${steps[@]}"; do
     repro) run repro python3 -m bench.repro --model "$MODEL" --trials 20 --duration 10 ;;
     hybrid) run hybrid python3 -m bench.hybrid --model "$MODEL" --peer-bin "$PEER_BIN" \
       --vram-budget "${HYBRID_BUDGET:-half-experts}" --concurrency 1 4 8 --repeats 2 ;;
-    hybrid-levers)  # the planned layout with one lever each: a core left to Python; no telemetry
-      run hybrid-t15 python3 -m bench.hybrid --model "$MODEL" --peer-bin "$PEER_BIN" \
-        --vram-budget half-experts --concurrency 1 4 8 --layouts planned --ours-args "--threads 15"
+    hybrid-levers)  # the planned layout with one lever each: all 16 cores; no telemetry; read
+      run hybrid-t16 python3 -m bench.hybrid --model "$MODEL" --peer-bin "$PEER_BIN" \
+        --vram-budget half-experts --concurrency 1 4 8 --layouts planned --repeats 2 \
+        --ours-args="--threads 16"
       run hybrid-notap python3 -m bench.hybrid --model "$MODEL" --peer-bin "$PEER_BIN" \
         --vram-budget half-experts --concurrency 1 4 8 --layouts planned \
-        --ours-args "--expert-sample-rate 0"
+        --ours-args="--expert-sample-rate 0"
       # read, not mapped: RAM experts repacked for the CPU kernels (llama.cpp's advice)
       run hybrid-nommap python3 -m bench.hybrid --model "$MODEL" --peer-bin "$PEER_BIN" \
         --vram-budget half-experts --concurrency 1 4 8 --layouts planned \
-        --ours-args "--no-mmap" --peer-args "-lm none" ;;
+        --ours-args="--no-mmap" --peer-args="-lm none" ;;
     tap-cost)  # paired, step by step (bench/tap_cost.py), then as a throughput difference
       run tapcost python3 -m bench.tap_cost --model "$MODEL" --concurrency 1 8 32 --steps 400
       run tapcost-throughput python3 -m bench.engine_step --model "$MODEL" --concurrency 1 8 32 \

@@ -62,6 +62,9 @@ def run(args: argparse.Namespace) -> list[Row]:
     model = Path(args.model)
     conc = args.concurrency
     setup = Setup.sized(model, conc, args.isl, args.osl, args.threads, gpu=True)
+    # Our server with its default threads unless --threads is given: with tensors in RAM it
+    # leaves a core to its Python threads (engine.config); the peer gets every core.
+    setup.ours_default_threads = not args.threads
     budget, n_cpu, plan_text = _plan_cpu_layers(model, args.vram_budget, setup.n_ctx)
     args.vram_budget = budget
     print(plan_text, flush=True)
@@ -171,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--isl", type=int, default=128)
     p.add_argument("--osl", type=int, default=64)
     p.add_argument("--waves", type=int, default=2)
-    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="both sides (default: each its own)")
     p.add_argument("--ours-args", default="", help='extra server options, e.g. "--threads 15"')
     p.add_argument(
         "--peer-args", default="", help='extra llama-batched-bench options, e.g. "-lm none"'

@@ -1,13 +1,13 @@
 """What router telemetry costs, measured step by step instead of as a throughput difference.
 
-At a 1% sample rate the cost is far below the run-to-run noise of a throughput figure on a
+At a 0.5% sample rate the cost is far below the run-to-run noise of a throughput figure on a
 shared machine (±10% on the 2-core CPU box), so this benchmark runs the engine with the
 tap sampling one step in five and times each step, classed as: a sampled step; the two
 steps after one (on the GPU, ggml-cuda re-captures its CUDA graph after a sampled step's
 cut-up graph); and the rest (base). Paired in one run, drift cancels. The cost at rate r is
 then r x (extra time of a sampled step and of the steps after it) / base step time.
 
-    python -m bench.tap_cost --model M.gguf --concurrency 1 8 32 --steps 400 --rate 0.01
+    python -m bench.tap_cost --model M.gguf --concurrency 1 8 32 --steps 400 --rate 0.005
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--isl", type=int, default=128)
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--n-ctx", type=int, default=24576)
-    p.add_argument("--rate", type=float, default=0.01, help="the rate to cost (the default's)")
+    p.add_argument("--rate", type=float, default=0.005, help="the rate to cost (the default's)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     cfg = EngineConfig(
