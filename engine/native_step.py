@@ -51,6 +51,7 @@ class _Call(ctypes.Structure):  # mirrors struct step_call
         ("n_vocab", ctypes.c_int32),
         ("n_threads", ctypes.c_int32),
         ("scratch", ctypes.c_void_p),
+        ("pool", ctypes.c_void_p),
         ("t_decoded", ctypes.c_double),
         ("t_sampled", ctypes.c_double),
     ]
@@ -94,6 +95,8 @@ class NativeStep:
         self._lib.onegpu_decode_sample.argtypes = (ptr, i32, ptr, ptr)
         self._lib.onegpu_sample.restype = None
         self._lib.onegpu_sample.argtypes = (ptr, ptr, i32, ptr, ptr)
+        self._lib.onegpu_close.restype = None
+        self._lib.onegpu_close.argtypes = (ptr,)
         self._lib.onegpu_scratch_floats.restype = ctypes.c_int64
         self._lib.onegpu_scratch_floats.argtypes = [ctypes.c_int32]
         self.mode = np.zeros(n_slots, dtype=np.int32)
@@ -153,6 +156,10 @@ class NativeStep:
             decode_s=c.t_decoded - t0, sample_s=c.t_sampled - c.t_decoded,
             gil_s=max(0.0, t1 - c.t_sampled),
         )  # fmt: skip
+
+    def close(self) -> None:
+        """Stop the sampling threads (the C side starts them on first use)."""
+        self._lib.onegpu_close(self._ptr)
 
     def sample(self, logits: np.ndarray, slots: list[int]) -> np.ndarray:
         """Sample rows of a [rows, n_vocab] float32 matrix (tests and benchmarks)."""

@@ -140,3 +140,4 @@ class Engine:
 
     def close(self) -> None:
         self.sampler.close()
+        self.native.close()

@@ -125,3 +125,23 @@ def test_a_seed_repeats_and_skipping_continues_the_sequence() -> None:
     ns.set_slot(0, other, ROW_SAMPLE)
     assert [int(ns.sample(row[None, :], [0])[0]) for _ in range(30)] != first
     assert seed_state(None) != seed_state(None)  # no seed: a random state each time
+
+
+def test_threads_do_not_change_a_token() -> None:
+    """Rows split over sampling threads give exactly what one thread gives."""
+    n_vocab, rows = 151_936, 24
+    x = (np.random.default_rng(5).standard_normal((rows, n_vocab)) * 2).astype(np.float32)
+    one, four = (
+        NativeStep(None, None, None, SLOTS, n_vocab, 1),
+        NativeStep(None, None, None, SLOTS, n_vocab, 4),
+    )
+    try:
+        for s in range(rows):
+            p = CASES[s % len(CASES)]
+            for ns in (one, four):
+                ns.set_slot(s, SamplingParams(**{**_fields(p), "seed": s}), ROW_SAMPLE)
+        for _ in range(3):
+            assert (one.sample(x, list(range(rows))) == four.sample(x, list(range(rows)))).all()
+    finally:
+        four.close()
+        four.close()  # twice is harmless

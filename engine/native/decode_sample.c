@@ -64,6 +64,7 @@ struct step_call {
     int32_t n_vocab;
     int32_t n_threads; /* at most this many sampling threads */
     float *scratch; /* n_threads * SCRATCH(n_vocab) floats, owned by Python */
+    void *pool; /* sampling threads, started on first use; NULL until then */
     double t_decoded; /* CLOCK_MONOTONIC seconds: the device finished the graph */
     double t_sampled; /* ... every native row was sampled */
 };
@@ -442,6 +443,107 @@ static void *sample_rows(void *arg) {
     return NULL;
 }
 
+/* Sampling threads that sleep between steps: started once (pthread_create for every step
+ * cost more than the rows they share), woken per step through a condition variable. They
+ * never spin, so between steps they leave the cores to ggml's CPU threads. */
+#define MAX_THREADS 16
+
+struct pool;
+struct worker {
+    struct pool *pool;
+    int32_t idx;
+};
+
+struct pool {
+    pthread_mutex_t mu;
+    pthread_cond_t go, done;
+    uint64_t gen; /* bumped per dispatch */
+    int32_t n_workers, n_active, pending, stop;
+    struct job jobs[MAX_THREADS]; /* jobs[0] is the caller's */
+    struct worker args[MAX_THREADS];
+    pthread_t tid[MAX_THREADS];
+};
+
+static void *worker_main(void *arg) {
+    struct worker *w = (struct worker *) arg;
+    struct pool *p = w->pool;
+    uint64_t seen = 0;
+    pthread_mutex_lock(&p->mu);
+    for (;;) {
+        while (p->gen == seen && !p->stop) pthread_cond_wait(&p->go, &p->mu);
+        if (p->stop) break;
+        seen = p->gen;
+        if (w->idx < p->n_active) {
+            pthread_mutex_unlock(&p->mu);
+            sample_rows(&p->jobs[w->idx]);
+            pthread_mutex_lock(&p->mu);
+            if (--p->pending == 0) pthread_cond_signal(&p->done);
+        }
+    }
+    pthread_mutex_unlock(&p->mu);
+    return NULL;
+}
+
+static struct pool *pool_start(int32_t n_threads) {
+    struct pool *p = (struct pool *) calloc(1, sizeof(struct pool));
+    if (p == NULL) return NULL;
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->go, NULL);
+    pthread_cond_init(&p->done, NULL);
+    for (int32_t i = 1; i < n_threads && i < MAX_THREADS; i++) {
+        p->args[i] = (struct worker){p, i};
+        if (pthread_create(&p->tid[i], NULL, worker_main, &p->args[i]) != 0) break;
+        p->n_workers = i;
+    }
+    return p;
+}
+
+/* Rows [0, n_rows) over up to c->n_threads threads, the caller being one of them. */
+static void sample_all(struct step_call *c, const float *logits, int32_t n_rows,
+                       const int32_t *row_slot, int32_t *out) {
+    /* A thread per ~512K logits (2 MB): fewer do not repay a wake-up. */
+    int32_t nt = (int32_t) (((int64_t) n_rows * c->n_vocab) >> 19);
+    if (nt > c->n_threads) nt = c->n_threads;
+    if (nt > n_rows) nt = n_rows;
+    if (nt > 1 && c->pool == NULL) c->pool = pool_start(c->n_threads);
+    struct pool *p = (struct pool *) c->pool;
+    if (p == NULL || nt > p->n_workers + 1) nt = p == NULL ? 1 : p->n_workers + 1;
+    if (nt <= 1) {
+        struct job j = {c, logits, row_slot, out, 0, n_rows, c->scratch};
+        sample_rows(&j);
+        return;
+    }
+    pthread_mutex_lock(&p->mu);
+    for (int32_t t = 0; t < nt; t++)
+        p->jobs[t] = (struct job){c, logits, row_slot, out, n_rows * t / nt,
+                                  n_rows * (t + 1) / nt, c->scratch + t * SCRATCH(c->n_vocab)};
+    p->n_active = nt;
+    p->pending = nt - 1;
+    p->gen++;
+    pthread_cond_broadcast(&p->go);
+    pthread_mutex_unlock(&p->mu);
+    sample_rows(&p->jobs[0]);
+    pthread_mutex_lock(&p->mu);
+    while (p->pending > 0) pthread_cond_wait(&p->done, &p->mu);
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* Stop and free the sampling threads (the engine's close). */
+void onegpu_close(struct step_call *c) {
+    struct pool *p = (struct pool *) c->pool;
+    if (p == NULL) return;
+    pthread_mutex_lock(&p->mu);
+    p->stop = 1;
+    pthread_cond_broadcast(&p->go);
+    pthread_mutex_unlock(&p->mu);
+    for (int32_t i = 1; i <= p->n_workers; i++) pthread_join(p->tid[i], NULL);
+    pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->go);
+    pthread_cond_destroy(&p->done);
+    free(p);
+    c->pool = NULL;
+}
+
 /* Decode the batch, wait for it, sample rows [0, n_rows) of the logits into out
  * (row r belongs to slot row_slot[r]; -1 for rows left to Python). Returns
  * llama_decode's code; on a non-zero code nothing is synchronised or sampled. */
@@ -454,31 +556,7 @@ int32_t onegpu_decode_sample(struct step_call *c, int32_t n_rows, const int32_t 
     }
     c->sync(c->ctx);
     c->t_decoded = now();
-    if (n_rows > 0) {
-        const float *logits = c->get_logits(c->ctx);
-        /* A thread per ~1M logits: fewer rows do not repay starting one. */
-        int64_t work = (int64_t) n_rows * c->n_vocab;
-        int32_t nt = (int32_t) (work >> 20);
-        if (nt > c->n_threads) nt = c->n_threads;
-        if (nt > n_rows) nt = n_rows;
-        if (nt < 1) nt = 1;
-        struct job jobs[64];
-        pthread_t tid[64];
-        int started[64] = {0};
-        if (nt > 64) nt = 64;
-        for (int32_t t = 0; t < nt; t++) {
-            jobs[t] = (struct job){c, logits, row_slot, out, n_rows * t / nt,
-                                   n_rows * (t + 1) / nt, c->scratch + t * SCRATCH(c->n_vocab)};
-            if (t > 0) started[t] = pthread_create(&tid[t], NULL, sample_rows, &jobs[t]) == 0;
-        }
-        sample_rows(&jobs[0]);
-        for (int32_t t = 1; t < nt; t++) {
-            if (started[t])
-                pthread_join(tid[t], NULL);
-            else
-                sample_rows(&jobs[t]);
-        }
-    }
+    if (n_rows > 0) sample_all(c, c->get_logits(c->ctx), n_rows, row_slot, out);
     c->t_sampled = now();
     return 0;
 }
@@ -486,8 +564,7 @@ int32_t onegpu_decode_sample(struct step_call *c, int32_t n_rows, const int32_t 
 /* Sample rows of a logits matrix without decoding (tests, benchmarks). */
 void onegpu_sample(struct step_call *c, const float *logits, int32_t n_rows,
                    const int32_t *row_slot, int32_t *out) {
-    struct job j = {c, logits, row_slot, out, 0, n_rows, c->scratch};
-    sample_rows(&j);
+    sample_all(c, logits, n_rows, row_slot, out);
 }
 
 /* Floats of scratch one sampling thread needs for a vocabulary of n_vocab. */
