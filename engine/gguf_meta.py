@@ -1,8 +1,9 @@
 """What the planner needs from a GGUF file, read from its header alone.
 
-`gguf.GGUFReader` memory-maps the file, so reading a 264 GB model's header touches a few
+`engine.gguf_header` memory-maps the file, so reading a 264 GB model's header touches a few
 megabytes: the key/value metadata and the tensor directory (name, type, shape, byte size),
-never the weights. Everything here is plain data so that `engine.plan` stays pure.
+never the weights (nor, unlike `gguf.GGUFReader`, a Python object per vocabulary string).
+Everything here is plain data so that `engine.plan` stays pure.
 
 The KV cache per token is what llama.cpp allocates at the default f16 cache type:
 `n_layer x n_head_kv x (key_length + value_length) x 2` bytes. A GGUF converted for
@@ -22,7 +23,9 @@ from pathlib import Path
 
 import msgspec
 import numpy as np
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from engine.gguf_header import read_header
 
 F16_BYTES = 2
 _SPLIT = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
@@ -81,23 +84,23 @@ def split_parts(path: Path) -> list[Path]:
     return [path.with_name(f"{prefix}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
 
 
+def _nbytes(ggml_type: int, shape: tuple[int, ...]) -> int:
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    n = 1
+    for d in shape:
+        n *= d
+    return n // block * size
+
+
 def read_meta(path: str | Path) -> ModelMeta:
     """The header of the GGUF at `path` (raises OSError/ValueError on a file that is not one)."""
     path = Path(path)
-    readers = [GGUFReader(str(p), "r") for p in split_parts(path)]
-    fields = readers[0].fields
+    headers = [read_header(p) for p in split_parts(path)]
+    fields = headers[0].fields
 
     def get(key: str, default: object = None) -> object:
-        f = fields.get(key)
-        if f is None or not f.types:
-            return default
-        if f.types[0] == GGUFValueType.ARRAY:
-            if len(f.types) > 1 and f.types[-1] == GGUFValueType.STRING:
-                return len(f.data)  # only string arrays' lengths are wanted (the vocabulary)
-            return [int(f.parts[i][0]) for i in f.data] or default
-        if f.types[0] == GGUFValueType.STRING:
-            return bytes(f.parts[f.data[0]]).decode("utf-8", "replace")
-        return f.parts[f.data[0]][0].item()
+        v = fields.get(key, default)
+        return default if v == [] else v
 
     arch = str(get("general.architecture", "unknown"))
 
@@ -117,12 +120,12 @@ def read_meta(path: str | Path) -> ModelMeta:
     tensors = tuple(
         TensorInfo(
             name=t.name,
-            ggml_type=t.tensor_type.name,
-            nbytes=int(t.n_bytes),
-            shape=tuple(int(x) for x in t.shape),
+            ggml_type=GGMLQuantizationType(t.ggml_type).name,
+            nbytes=_nbytes(t.ggml_type, t.shape),
+            shape=t.shape,
         )
-        for r in readers
-        for t in r.tensors
+        for h in headers
+        for t in h.tensors
         if not (n_mtp and mtp.match(t.name))
     )
     vocab = get("tokenizer.ggml.tokens")
