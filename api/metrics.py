@@ -117,10 +117,20 @@ class Metrics:
             ["phase"],
             registry=r,
         )
-        self._phases = {
-            p: self.phase_time.labels(phase=p)
-            for p in ("schedule", "fill", "decode", "sample", "gil", "postprocess", "other")
-        }
+        phases = ("schedule", "fill", "decode", "sample", "gil", "postprocess", "other")
+        self._phases = {p: self.phase_time.labels(phase=p) for p in phases}
+        # The same for steps without prompt tokens only: a pure decode step is what
+        # llama-batched-bench's S_TG times, and prompt steps would blur the comparison.
+        self.decode_steps = Counter(
+            "onegpu_decode_steps", "Steps that carried no prompt tokens", registry=r
+        )
+        decode_phase_time = Counter(
+            "onegpu_decode_step_phase_seconds",
+            "onegpu_step_phase_seconds over the steps without prompt tokens only",
+            ["phase"],
+            registry=r,
+        )
+        self._decode_phases = {p: decode_phase_time.labels(phase=p) for p in phases}
         info = Gauge("onegpu_model_info", "The served model", ["model"], registry=r)
         info.labels(model=model_name).set(1)
 
@@ -212,6 +222,10 @@ class Metrics:
         parts["other"] = max(0.0, s.step_s - sum(parts.values()))
         for phase, v in parts.items():
             self._phases[phase].inc(v)
+        if s.num_step_prompt_tokens == 0:
+            self.decode_steps.inc()
+            for phase, v in parts.items():
+                self._decode_phases[phase].inc(v)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

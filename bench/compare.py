@@ -168,13 +168,23 @@ def step_counters(server: Server) -> dict[str, float]:
             out["steps"] = float(line.split()[1])
         elif line.startswith('onegpu_step_phase_seconds_total{phase="'):
             out[line.split('"')[1]] = float(line.split()[1])
+        elif line.startswith("onegpu_decode_steps_total "):
+            out["d:steps"] = float(line.split()[1])
+        elif line.startswith('onegpu_decode_step_phase_seconds_total{phase="'):
+            out["d:" + line.split('"')[1]] = float(line.split()[1])
     return out
 
 
 def step_profile(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Milliseconds per step by phase between two readings."""
-    steps = after["steps"] - before.get("steps", 0.0)
-    return {p: 1000 * (after[p] - before.get(p, 0.0)) / steps for p in PHASES} if steps else {}
+    """Milliseconds per step by phase between two readings: all steps (keys as PHASES),
+    and the steps without prompt tokens ("d:" + phase)."""
+    out: dict[str, float] = {}
+    for pre in ("", "d:"):
+        steps = after.get(pre + "steps", 0.0) - before.get(pre + "steps", 0.0)
+        if steps:
+            for p in PHASES:
+                out[pre + p] = 1000 * (after[pre + p] - before.get(pre + p, 0.0)) / steps
+    return out
 
 
 def warm_up(server: Server, name: str) -> None:
@@ -344,15 +354,22 @@ def report(res: Results, args: argparse.Namespace) -> str:
             f"VRAM (MiB): ours {vr.get('ours', 0):.0f}, llama-server "
             f"{vr.get('llama-server', 0):.0f}"
         )
-    out.append("\nOur step profile, ms per step (median over repeats); python = all but decode\n")
-    out.append("| sampling | N | " + " | ".join(PHASES) + " | python share |")
-    out.append("|---" * (len(PHASES) + 3) + "|")
-    for key, profs in res.profile.items():
-        med = {p: statistics.median(x[p] for x in profs) for p in PHASES}
-        total = sum(med.values())
-        share = (total - med["decode"]) / total if total else 0.0
-        cells = " | ".join(f"{med[p]:.2f}" for p in PHASES)
-        out.append(f"| {key.replace('|', ' | ')} | {cells} | {100 * share:.1f}% |")
+    for pre, title in (("", "all steps"), ("d:", "steps without prompt tokens")):
+        out.append(
+            f"\nOur step profile, {title}: ms per step (median over repeats); "
+            "python = all but decode\n"
+        )
+        out.append("| sampling | N | " + " | ".join(PHASES) + " | python share |")
+        out.append("|---" * (len(PHASES) + 3) + "|")
+        for key, profs in res.profile.items():
+            have = [x for x in profs if pre + "decode" in x]
+            if not have:
+                continue
+            med = {p: statistics.median(x[pre + p] for x in have) for p in PHASES}
+            total = sum(med.values())
+            share = (total - med["decode"]) / total if total else 0.0
+            cells = " | ".join(f"{med[p]:.2f}" for p in PHASES)
+            out.append(f"| {key.replace('|', ' | ')} | {cells} | {100 * share:.1f}% |")
     return "\n".join(out)
 
 

@@ -249,6 +249,19 @@ def test_concurrent_clients_share_decode_steps(server: Server) -> None:
     assert steps - solo > 5, "steps carrying more than one sequence"
     seqs = after["onegpu_step_sequences_sum"] - before["onegpu_step_sequences_sum"]
     assert seqs / steps > 3  # most steps carry several of the 8 users
+    # The profile of the steps without prompt tokens (what batched-bench's S_TG times):
+    # the 8 prompts made some steps, the rest were pure decode.
+    pure = after["onegpu_decode_steps_total"] - before["onegpu_decode_steps_total"]
+    assert 0 < pure < steps
+
+    def decode_s(m: dict[str, float], family: str) -> float:
+        return m[f"{family}_total{{phase=decode}}"]
+
+    for family in ("onegpu_step_phase_seconds", "onegpu_decode_step_phase_seconds"):
+        assert decode_s(after, family) > decode_s(before, family)
+    assert decode_s(after, "onegpu_decode_step_phase_seconds") < decode_s(
+        after, "onegpu_step_phase_seconds"
+    )
 
 
 def test_new_request_streams_before_running_ones_finish(server: Server) -> None:
