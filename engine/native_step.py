@@ -133,7 +133,7 @@ class NativeStep:
     def set_slot(self, slot: int, p: SamplingParams, mode: int, skip: int = 0) -> None:
         """Sampling settings of the sequence in `slot`; `skip`: tokens it already drew."""
         self.mode[slot] = mode
-        self.top_k[slot] = p.top_k
+        self.top_k[slot] = min(p.top_k, 2**31 - 1)  # any k >= the vocabulary means off
         self.top_p[slot] = p.top_p
         self.min_p[slot] = p.min_p
         self.temperature[slot] = p.temperature if p.temperature > 0 else 1.0

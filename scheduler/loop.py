@@ -159,6 +159,10 @@ class EngineLoop:
         except EngineError:
             log.exception("engine step failed; failing its %d requests", len(out.reqs))
             result = None
+        except Exception:  # a bug must not kill the engine thread and hang every request
+            log.exception("unexpected error in an engine step; failing its %d requests",
+                          len(out.reqs))  # fmt: skip
+            result = None
         p2 = time.perf_counter()
         with self._work:
             if result is None:

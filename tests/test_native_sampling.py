@@ -77,6 +77,8 @@ CASES = [
     SamplingParams(temperature=1.0, min_p=0.1),
     SamplingParams(temperature=0.5, top_k=5, top_p=0.9, min_p=0.05),
     SamplingParams(temperature=2.0, top_k=1),
+    SamplingParams(temperature=1.0, top_k=100),  # more than blocks: threshold from the row
+    SamplingParams(temperature=1.0, top_k=699),  # nearly all: collected and sorted whole
 ]
 
 
@@ -107,6 +109,31 @@ def test_top_p_on_a_large_flat_vocabulary_keeps_exactly_the_nucleus() -> None:
     drawn = draw_many(_native(n_vocab), row, p, 2048)
     assert set(drawn.tolist()) <= allowed
     assert len(set(drawn.tolist())) > 100  # a draw, not a constant
+
+
+def test_degenerate_settings_and_rows_give_a_real_token() -> None:
+    """What an API client or a broken model can send must not crash the engine or yield
+    an id outside the vocabulary: such rows fall back to numpy's argmax."""
+    n_vocab = 1000
+    ns = _native(n_vocab)
+    row = np.zeros(n_vocab, dtype=np.float32)
+    row[123] = 20.0
+
+    def one(x: np.ndarray, p: SamplingParams) -> int:
+        ns.set_slot(0, p, ROW_SAMPLE)
+        return int(ns.sample(x[None, :], [0])[0])
+
+    for t in (1e-39, 1e-46):  # 1/t overflows float32
+        assert one(row, SamplingParams(temperature=t)) == 123
+    for m in (2.0, float("nan")):  # nothing would survive min_p
+        assert one(row, SamplingParams(temperature=1.0, min_p=m)) == 123
+    assert one(row, SamplingParams(temperature=1.0, top_k=2**40)) in range(n_vocab)
+    for bad in (np.nan, np.inf):
+        x = np.random.default_rng(2).standard_normal(n_vocab).astype(np.float32)
+        x[[200, 640]] = bad
+        assert one(x, SamplingParams(temperature=0.8, top_k=40)) == int(x.argmax())
+        ns.set_slot(0, SamplingParams(temperature=0.0), ROW_GREEDY)
+        assert int(ns.sample(x[None, :], [0])[0]) == int(x.argmax())
 
 
 def test_a_seed_repeats_and_skipping_continues_the_sequence() -> None:

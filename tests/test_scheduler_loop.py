@@ -11,6 +11,8 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import pytest
+
 from engine.errors import BackendError, KVCacheFull
 from engine.step_types import StepBatch, StepResult
 from scheduler.core import Scheduler, SchedulerConfig
@@ -197,10 +199,16 @@ def test_abort_one_of_several_keeps_the_others_going() -> None:
     run(main)
 
 
-def test_backend_error_fails_only_that_steps_requests() -> None:
+@pytest.mark.parametrize(
+    "fault", [BackendError("ggml said no"), RuntimeError("a bug in the step")], ids=type
+)
+def test_backend_error_fails_only_that_steps_requests(fault: Exception) -> None:
+    """A backend error, or any exception out of a step (a bug), fails that step's requests
+    only: the engine thread lives on and serves the others."""
+
     async def main() -> None:
         # One seq id: b waits while a runs, so the failing step (the third) holds only a.
-        h = Harness(cfg(max_num_seqs=1), FakeEngine(faults={2: BackendError("ggml said no")}))
+        h = Harness(cfg(max_num_seqs=1), FakeEngine(faults={2: fault}))
         a = make_request("a", prompt(5), 8)
         b = make_request("b", prompt(6, 1), 5)
         qa, qb = h.loop.add(a), h.loop.add(b)

@@ -118,36 +118,58 @@ static inline float hmax8(f8 v) {
 }
 
 /* Maximum of each BLOCK-long block into bm; returns the index of the block holding the
- * first largest value. */
+ * first largest value, or -1 when the row holds a NaN (the vector max drops NaNs, so they
+ * are looked for on the side). */
 static int32_t block_maxima(const float *x, int32_t n, float *bm) {
     int32_t nb = (n + BLOCK - 1) / BLOCK, best = 0;
+    i8 nan = {0};
+    int scalar_nan = 0;
     for (int32_t b = 0; b < nb; b++) {
         const float *p = x + (int64_t) b * BLOCK;
         int32_t len = b == nb - 1 ? n - b * BLOCK : BLOCK;
         float v;
         if (len == BLOCK) {
             f8 m0 = load8(p), m1 = load8(p + 8);
+            nan |= (m0 != m0) | (m1 != m1);
             for (int32_t i = 16; i < BLOCK; i += 16) {
-                m0 = vmax8(m0, load8(p + i));
-                m1 = vmax8(m1, load8(p + i + 8));
+                f8 a = load8(p + i), c = load8(p + i + 8);
+                nan |= (a != a) | (c != c);
+                m0 = vmax8(m0, a);
+                m1 = vmax8(m1, c);
             }
             v = hmax8(vmax8(m0, m1));
         } else {
             v = p[0];
-            for (int32_t i = 1; i < len; i++) v = fmax2(v, p[i]);
+            scalar_nan |= v != v;
+            for (int32_t i = 1; i < len; i++) {
+                scalar_nan |= p[i] != p[i];
+                v = fmax2(v, p[i]);
+            }
         }
         bm[b] = v;
         if (v > bm[best]) best = b;
+    }
+    for (int k = 0; k < 8; k++) scalar_nan |= nan[k] != 0;
+    return scalar_nan ? -1 : best;
+}
+
+/* numpy's argmax: the first NaN if there is one, else the first largest value. */
+static int32_t argmax_scalar(const float *x, int32_t n) {
+    int32_t best = 0;
+    for (int32_t i = 0; i < n; i++) {
+        if (x[i] != x[i]) return i;
+        if (x[i] > x[best]) best = i;
     }
     return best;
 }
 
 static int32_t argmax(const float *x, int32_t n, float *bm) {
     int32_t b = block_maxima(x, n, bm);
+    if (b < 0) return argmax_scalar(x, n);
     int32_t end = b * BLOCK + BLOCK < n ? b * BLOCK + BLOCK : n;
     for (int32_t i = b * BLOCK; i < end; i++)
         if (x[i] == bm[b]) return i;
-    return b * BLOCK; /* NaN block */
+    return b * BLOCK; /* not reached: the block holds its maximum */
 }
 
 /* The k-th largest of v[0..n) (1 <= k <= n), through a min-heap of size k. */
@@ -200,8 +222,9 @@ static void collect(const float *x, int32_t n, const float *bm, float t, struct 
     }
 }
 
-/* e^x for x <= 0 (0 < result <= 1), eight at a time, relative error ~1e-7: 2^k by the
- * exponent bits times a degree-6 Taylor polynomial of 2^f on [-0.5, 0.5]. */
+/* e^x for x <= 0 (0 < result <= 1), eight at a time: 2^k by the exponent bits times a
+ * degree-6 Taylor polynomial of 2^f on [-0.5, 0.5]. Relative error ~1e-7 near 0, up to
+ * 1.4e-6 near -87 (x * log2(e) rounded in float): plenty for sampling weights. */
 static inline f8 exp_neg8(f8 x) {
     const f8 log2e = splat(1.44269504088896341f);
     x = select8(x > splat(-87.0f), x, splat(-87.0f)); /* also NaN */
@@ -291,8 +314,9 @@ static void sort_desc(struct cand_list *c) {
     free(p);
 }
 
-/* The index at which the running sum of w first exceeds target (the last if none);
- * bsum: w's sums per BLOCK, so whole blocks are skipped. */
+/* The index at which the running sum of w first exceeds target, -1 if none does (the sums
+ * of w and the target's total differ by rounding); bsum: w's sums per BLOCK, so whole
+ * blocks are skipped. */
 static int32_t pick(const float *w, int32_t n, const float *bsum, double target) {
     double acc = 0.0;
     int32_t i = 0;
@@ -303,7 +327,7 @@ static int32_t pick(const float *w, int32_t n, const float *bsum, double target)
         acc += w[i];
         if (acc > target) return i;
     }
-    return n - 1;
+    return -1;
 }
 
 /* Keep the shortest prefix of sorted candidates whose probability (at temperature 1,
@@ -370,7 +394,7 @@ static void cut_min_p(struct cand_list *c, float min_p, float lmax) {
             c->val[k] = c->val[i];
             c->id[k++] = c->id[i];
         }
-    c->n = k > 0 ? k : 1;
+    c->n = k; /* min_p <= 1 keeps the maximum; the caller falls back to argmax if not */
 }
 
 static int32_t sample_row(const float *x, int32_t n, int32_t top_k, float top_p, float min_p,
@@ -380,9 +404,14 @@ static int32_t sample_row(const float *x, int32_t n, int32_t top_k, float top_p,
     float *bm = scratch + 3 * (int64_t) n; /* block maxima, then a heap behind them */
     int32_t nb = (n + BLOCK - 1) / BLOCK;
     float *heap = bm + nb;
-    float lmax = bm[block_maxima(x, n, bm)];
-    if (!(lmax > -INFINITY)) return argmax(x, n, bm); /* no finite logit (or NaN) */
+    int32_t best = block_maxima(x, n, bm);
     float inv_t = 1.0f / temp;
+    /* NaN or infinite logits, or a temperature so small that 1/t overflows: greedy. */
+    if (best < 0 || !(bm[best] > -INFINITY && bm[best] < INFINITY) || !(inv_t < INFINITY))
+        return argmax(x, n, bm);
+    float lmax = bm[best];
+    if (!(min_p > 0.0f)) min_p = 0.0f; /* also NaN */
+    if (min_p > 1.0f) min_p = 1.0f;
     if ((top_k <= 0 || top_k >= n) && top_p >= 1.0f && min_p <= 0.0f) {
         /* Plain temperature over the whole vocabulary; block sums go where the heap was. */
         float *bsum = heap;
@@ -392,11 +421,18 @@ static int32_t sample_row(const float *x, int32_t n, int32_t top_k, float top_p,
             bsum[b] = (float) sum_exp(x + b * BLOCK, len, lmax, inv_t, w + b * BLOCK);
             sum += bsum[b];
         }
-        return pick(w, n, bsum, next_uniform(rng) * sum);
+        int32_t i = pick(w, n, bsum, next_uniform(rng) * sum);
+        return i >= 0 ? i : argmax(x, n, bm);
     }
     if (top_k > 0 && top_k < n) {
-        /* The k-th largest block maximum is <= the k-th largest logit: collect from it. */
-        collect(x, n, bm, top_k <= nb ? kth_largest(bm, nb, top_k, heap) : -INFINITY, &c);
+        /* Collect from a threshold at or below the k-th largest logit: the k-th largest
+         * block maximum while k <= blocks (cheap), else the k-th largest logit itself. */
+        float t = -INFINITY;
+        if (top_k <= nb)
+            t = kth_largest(bm, nb, top_k, heap);
+        else if (top_k <= n - nb)
+            t = kth_largest(x, n, top_k, heap);
+        collect(x, n, bm, t, &c);
         sort_desc(&c);
         if (c.n > top_k) c.n = top_k;
         if (top_p < 1.0f)
@@ -407,8 +443,10 @@ static int32_t sample_row(const float *x, int32_t n, int32_t top_k, float top_p,
         collect(x, n, bm, lmax + logf(min_p), &c);
     }
     if (min_p > 0.0f) cut_min_p(&c, min_p, lmax);
+    if (c.n == 0) return argmax(x, n, bm);
     double sum = sum_exp(c.val, c.n, lmax, inv_t, w);
-    return c.id[pick(w, c.n, NULL, next_uniform(rng) * sum)];
+    int32_t i = pick(w, c.n, NULL, next_uniform(rng) * sum);
+    return c.id[i >= 0 ? i : c.n - 1];
 }
 
 struct job {
