@@ -1,8 +1,9 @@
 """Step time of our engine alone (no HTTP, no scheduler): where a decode step's time goes.
 
 N sequences prefill a prompt together, then decode in lockstep; per step it reports the
-median of the time in `llama_decode` (synchronised) and the time sampling, for host argmax,
-device greedy and a typical sampler chain. This separates what the server adds from what
+median of the time in `llama_decode` (synchronised) and the time sampling, for greedy on
+the host (the native step's argmax), device greedy and typical sampling (the native
+step's top-k / top-p / temperature draw). This separates what the server adds from what
 the engine's sampling path costs, on the same model and machine as `make bench`.
 
     python -m bench.engine_step --model M.gguf --concurrency 1 8 32

@@ -26,7 +26,8 @@ _RANDOM_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: llama.cpp picks a random seed
 
 
 class SamplerBank:
-    """Owns one sampler chain per live sequence (none for plain greedy)."""
+    """Per live sequence: its settings in the native step's slot arrays, and a llama.cpp
+    chain only when it has penalties."""
 
     def __init__(
         self, ll: Any, ctx: Any, n_vocab: int, native: NativeStep, n_threads: int = 1,
