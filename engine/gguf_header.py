@@ -19,27 +19,13 @@ import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 _MAGIC = b"GGUF"
 _STRING, _ARRAY = 8, 9
-# Fixed-size value types: struct code by GGUF value type.
-_SCALAR = {
-    0: "B",
-    1: "b",
-    2: "H",
-    3: "h",
-    4: "I",
-    5: "i",
-    6: "f",
-    7: "?",
-    10: "Q",
-    11: "q",
-    12: "d",
-}
-_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1",
+# Fixed-size value types: numpy dtype by GGUF value type (scalars and array elements).
+_DTYPE = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?",
           10: "<u8", 11: "<i8", 12: "<f8"}  # fmt: skip
 MAX_ARRAY = 65536  # longer numeric arrays are reported by their length only
 
@@ -65,16 +51,15 @@ class _Cursor:
         self.buf = buf
         self.pos = 0
 
-    def unpack(self, fmt: str) -> tuple[Any, ...]:
-        v = struct.unpack_from("<" + fmt, self.buf, self.pos)
-        self.pos += struct.calcsize("<" + fmt)
-        return v
-
     def u32(self) -> int:
-        return int(self.unpack("I")[0])
+        (v,) = struct.unpack_from("<I", self.buf, self.pos)
+        self.pos += 4
+        return int(v)
 
     def u64(self) -> int:
-        return int(self.unpack("Q")[0])
+        (v,) = struct.unpack_from("<Q", self.buf, self.pos)
+        self.pos += 8
+        return int(v)
 
     def string(self) -> str:
         n = self.u64()
@@ -91,22 +76,21 @@ class _Cursor:
     def value(self, vtype: int) -> object:
         if vtype == _STRING:
             return self.string()
-        if vtype == _ARRAY:
-            etype, count = self.u32(), self.u64()
-            if etype == _STRING:
+        is_array, count = vtype == _ARRAY, 1
+        if is_array:
+            vtype, count = self.u32(), self.u64()
+            if vtype == _STRING:
                 self.skip_strings(count)
                 return count
-            if etype not in _NUMPY:
-                raise ValueError(f"GGUF array of unsupported type {etype}")
-            size = np.dtype(_NUMPY[etype]).itemsize * count
-            out: object = count
-            if count <= MAX_ARRAY:
-                out = np.frombuffer(self.buf, _NUMPY[etype], count, self.pos).tolist()
-            self.pos += size
-            return out
-        if vtype not in _SCALAR:
+        if vtype not in _DTYPE:
             raise ValueError(f"GGUF value of unsupported type {vtype}")
-        return self.unpack(_SCALAR[vtype])[0]
+        dt = np.dtype(_DTYPE[vtype])
+        out: object = count  # a long array: its length only
+        if count <= MAX_ARRAY:
+            vals = np.frombuffer(self.buf, dt, count, self.pos).tolist()
+            out = vals if is_array else vals[0]
+        self.pos += dt.itemsize * count
+        return out
 
 
 def read_header(path: str | Path) -> Header:

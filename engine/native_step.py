@@ -137,7 +137,8 @@ class NativeStep:
         self.top_p[slot] = p.top_p
         self.min_p[slot] = p.min_p
         self.temperature[slot] = p.temperature if p.temperature > 0 else 1.0
-        self.rng[slot] = seed_state(p.seed, skip)
+        if mode == ROW_SAMPLE:  # only draws need a state (no urandom per greedy request)
+            self.rng[slot] = seed_state(p.seed, skip)
 
     def clear_slot(self, slot: int) -> None:
         self.mode[slot] = ROW_PYTHON

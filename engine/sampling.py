@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from engine.errors import BackendError
-from engine.native_step import ROW_PYTHON, NativeStep, native_mode
+from engine.native_step import ROW_GREEDY, ROW_PYTHON, NativeStep, native_mode
 from engine.step_types import Sampled, SamplingParams, SeqStart
 
 PENALTY_LAST_N = 64
@@ -51,7 +51,7 @@ class SamplerBank:
         p = s.params
         self._params[s.seq_id] = p
         mode = native_mode(p)
-        if p.is_greedy and not p.has_penalties and self.device_greedy and not p.logprobs:
+        if mode == ROW_GREEDY and self.device_greedy and not p.logprobs:
             self._on_device.add(s.seq_id)
             return True
         # A restarted sequence skips the draws its tokens took: a seeded request goes on
