@@ -141,7 +141,11 @@ class StepCostModel:
 class StepTimeBudget:
     """The time left for prompt chunks in the step being planned.
 
-    Unbounded when nobody decodes (prompts then use full batches) or no target is set.
+    Unbounded when no decoder is protected (prompts then use full batches) or no target is
+    set. `protected` (default: all `n_decode`) counts the decoders whose pauses the target
+    bounds; the scheduler leaves out those with one token so far, admitted with the
+    prompts now waiting (see `Scheduler.schedule`), so each request may see one long gap,
+    between its first and second token, and none after.
     The first chunk granted gets at least `min_chunk` tokens, so prefill always progresses
     — also before the model has seen any prompt (it measures that chunk, then grows).
     Chunks are sized to 85% of the target divided by the model's `bias`: the step's own
@@ -151,10 +155,17 @@ class StepTimeBudget:
     HEADROOM = 0.85
 
     def __init__(
-        self, model: StepCostModel, max_stall_s: float | None, n_decode: int, min_chunk: int
+        self,
+        model: StepCostModel,
+        max_stall_s: float | None,
+        n_decode: int,
+        min_chunk: int,
+        protected: int | None = None,
     ) -> None:
         self.model = model
-        self.bounded = max_stall_s is not None and n_decode > 0
+        self.bounded = (
+            max_stall_s is not None and (n_decode if protected is None else protected) > 0
+        )
         target = (max_stall_s or 0.0) * self.HEADROOM / model.bias
         self.left = target - model.decode_time(n_decode)
         self.min_chunk = min_chunk

@@ -101,9 +101,14 @@ class Scheduler:
                 budget -= 1
         n_decode = len(plan)
         budget = self.cfg.max_num_batched_tokens - n_decode
-        # Prompt chunks, oldest first (FCFS), sized to keep the step under the stall target.
+        # Prompt chunks, oldest first (FCFS), sized to keep the step under the stall target
+        # — while a decoder that already has two tokens runs. A decoder with one token came
+        # with the prompts now waiting (a burst, or a closed-loop wave: the first arrival is
+        # prefilled alone while the rest arrive); bounding the step for it alone would
+        # stagger the burst over many steps, and every later step would mix prompt work.
+        protected = sum(1 for r, _ in plan.values() if len(r.output_ids) >= 2)
         timer = StepTimeBudget(
-            self.cost, self.cfg.max_stall_s, n_decode, self.cfg.min_prefill_chunk
+            self.cost, self.cfg.max_stall_s, n_decode, self.cfg.min_prefill_chunk, protected
         )
         for req in [r for r in self.running if not r.is_decoding and r.req_id not in plan]:
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop

@@ -165,3 +165,46 @@ def test_two_long_prompts_go_first_come_first_served_and_both_finish() -> None:
         if "old" in first_token and "young" in first_token:
             break
     assert first_token["old"] < first_token["young"] < 3000
+
+
+def test_a_burst_is_admitted_together_and_later_prompts_are_bounded_again() -> None:
+    """A closed-loop wave: the first of 16 requests reaches an idle server alone and is
+    prefilled; the other 15 arrive during that step. The first has one token, so it came
+    with them: the next step takes all 15 prompts (llama-server would too), not one
+    bounded chunk at a time. Once it has two tokens, a newcomer's prompt is chunked."""
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=32, kv_capacity=40000, max_num_batched_tokens=2048,
+                        max_stall_s=0.25, min_prefill_chunk=32)
+    )  # fmt: skip
+    fake = FakeEngine()
+    fake.n_batch = 2048
+
+    def cost(batch: StepBatch) -> float:  # 1,920 prompt tokens: ~1 s, over the target
+        return 0.008 + 0.0005 * batch.num_tokens
+
+    now = 0.0
+    steps: list[tuple[int, float]] = []  # (prompt tokens, step time)
+
+    def step() -> None:
+        nonlocal now
+        out = sched.schedule(now)
+        res = fake.step(out.batch)
+        res.decode_s = cost(out.batch)
+        now += res.decode_s
+        sched.postprocess(out, res, now)
+        steps.append((sum(n for n, _ in out.prompt_chunks), res.decode_s))
+
+    sched.add(make_request("first", [3] * 128, 200, arrival=now))
+    step()  # the first, alone
+    for i in range(15):
+        sched.add(make_request(f"wave{i}", [10 + i] * 128, 200, arrival=now))
+    step()
+    assert steps[-1][0] == 15 * 128, "the wave's prompts went in one step"
+    assert sum(r.is_decoding for r in sched.running) == 16
+    for _ in range(5):
+        step()  # all decode
+    sched.add(make_request("late", [9] * 4000, 1, arrival=now))
+    while sched.waiting or any(not r.is_decoding for r in sched.running):
+        step()
+        assert steps[-1][1] <= 0.25, "a prompt step stalled decoders with two tokens or more"
+    assert len(steps) > 9, "the late prompt was chunked"
