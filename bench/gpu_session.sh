@@ -5,6 +5,7 @@
 #   Usage: bench/gpu_session.sh WORKDIR RESULTS [STEP...]
 #   Steps: engine compare stall repro stall-cpumoe (default: all, in that order); also
 #   quick variants, hybrid (issue 6: planner under a VRAM budget vs --n-cpu-moe),
+#   hybrid-planned (the planned layout only, 3 repeats), compare-1r (every N, one repeat),
 #   hybrid-levers (the planned layout with all 16 threads, telemetry off, --no-mmap) and
 #   tap-cost (router telemetry on/off, engine only), native (engine alone, greedy and
 #   typical, 1/8/32 sequences: the native decode-and-sample step). At the end every result file is
@@ -48,6 +49,13 @@ for s in "${steps[@]}"; do
     repro) run repro python3 -m bench.repro --model "$MODEL" --trials 20 --duration 10 ;;
     hybrid) run hybrid python3 -m bench.hybrid --model "$MODEL" --peer-bin "$PEER_BIN" \
       --vram-budget "${HYBRID_BUDGET:-half-experts}" --concurrency 1 4 8 --repeats 2 ;;
+    hybrid-planned)  # issue 6 item 3 alone: the planned layout and its two peers, 3 repeats
+      run hybrid-planned python3 -m bench.hybrid --model "$MODEL" --peer-bin "$PEER_BIN" \
+        --vram-budget "${HYBRID_BUDGET:-half-experts}" --concurrency 1 4 8 --layouts planned \
+        --repeats 3 ;;
+    compare-1r) run compare python3 -m bench.compare --gpu --peer-bin "$PEER_BIN" \
+      --model "$MODEL" --concurrency 1 4 8 16 32 --isl 128 --osl 128 --waves 2 \
+      --lockstep-waves 2 --repeats 1 ;;
     hybrid-levers)  # the planned layout with one lever each: all 16 cores; no telemetry; read
       run hybrid-t16 python3 -m bench.hybrid --model "$MODEL" --peer-bin "$PEER_BIN" \
         --vram-budget half-experts --concurrency 1 4 8 --layouts planned --repeats 2 \

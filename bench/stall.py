@@ -129,6 +129,7 @@ def main() -> None:
     p.add_argument("--peer-bin", help="prebuilt llama-server folder (default: build it)")
     p.add_argument("--cache", default=".bench")
     p.add_argument("--no-peer", action="store_true", help="ours only")
+    p.add_argument("--ours-args", default="", help="extra `one-gpu serve` options, quoted")
     p.add_argument("--cpu-moe", action="store_true", help="both servers: experts in host RAM")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -163,6 +164,7 @@ def main() -> None:
         ours_args += ["--threads", str(args.threads)]
     if args.cpu_moe:
         ours_args += ["--cpu-moe"]
+    ours_args += args.ours_args.split()  # last: `--log-level debug` traces every planned step
     results: dict[str, StallResult] = {}
     srv: Server = start_server(ours_args, logdir / "ours.log")
     try:
@@ -231,6 +233,7 @@ def main() -> None:
     n_over = len(over) + sum(int(ln.rsplit("); ", 1)[-1].split()[0]) for ln in over)
     print(f"\nour steps over the target while others decoded: {n_over} (logged: {len(over)})")
     print("\n".join(over[:10]))
+    print(f"\nserver logs: {logdir}")
 
 
 if __name__ == "__main__":

@@ -2,14 +2,19 @@
 
 A step's time is modelled as
 
-    t(D, P, d) = t_dec(D) + P * (c0 + c1 * (d + P / 2))
+    t(D, P, d) = t_dec(D) + c0 * P + c1 * P * (d + P / 2) + g * (d + P)
 
 for D decode tokens and a P-token prompt chunk whose KV depth starts at d: attention makes
-each prompt token cost more the more context it attends to, so the per-token cost grows
-linearly with the chunk's mean depth. `t_dec` (a + b * D) is fitted on decode-only steps,
-(c0, c1) on steps that carried a prompt chunk — both by exponentially weighted least
-squares, so the model follows the machine as it warms up or gets busy. Until a term has
-data, the chunk falls back to the minimum (measured, then grown) rather than a guess.
+each prompt token cost more the more context it attends to (c1), and a chunk also pays a
+cost that grows with the span it attends over but not with its size (g): kernels work in
+tiles, and a small chunk still makes whole passes over the KV. On the 2-core CPU, ggml's
+flash attention splits a step's rows into 8 pieces, each padded to a 64-row tile, so a
+65-token chunk at 11K depth cost what a 128-token one does — 1.5x what a model without `g`
+planned (bench/chunk_cost.py measures the shape on a machine). `t_dec` (a + b * D) is fitted
+on decode-only steps, (c0, c1, g) on steps that carried prompt chunks — by exponentially
+weighted least squares with non-negative terms, so the model follows the machine as it
+warms up or gets busy. Until a term has data, the chunk falls back to the minimum
+(measured, then grown) rather than a guess.
 
 The fit lags a prefill that goes ever deeper: its points come from shallower chunks than
 the one being planned (on the 2-core CPU at 8K depth, steps planned at 850 ms took 1,050–
@@ -17,10 +22,20 @@ the one being planned (on the 2-core CPU at 8K depth, steps planned at 850 ms to
 time over the steps it planned (those with both decode tokens and prompt chunks), and the
 budget plans against the target divided by it: a model that runs behind is corrected
 within a few steps, whatever the cause.
+
+Kernels also change with a step's size, and no smooth model follows that: on the 2-core
+CPU, a step of 64 or more rows takes ggml's tiled flash-attention path, where the decoders'
+rows make every tile of their scattered sliding-window cells be computed for the whole
+tile — 62- to 79-token chunks at 12–16K depth took 1.0–1.3 s where 32–51 took 0.4–0.6 s
+(measured; `bench/chunk_cost.py` shows the engine alone at 14K: 59 tokens 625 ms, 128
+tokens 1,124 ms against 124 tokens 778 ms). So the bias is also kept per size class of
+the step (its token count, by powers of two), and a chunk is planned with the bias of the
+class it would put the step in: the planner finds the cheap classes by measuring them.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -58,6 +73,90 @@ class _Line:
         return max(0.0, my - k1 * mx), k1
 
 
+class _NonNegativeFit:
+    """Weighted least squares for y = sum(k_i * x_i) with every k_i >= 0 and exponential
+    forgetting. With three terms the exact non-negative solution is cheap: solve the normal
+    equations on every subset of terms and keep the best whose terms are all >= 0 (fewer
+    terms win a tie, so a single point gives the first term alone)."""
+
+    RIDGE = 1e-9  # relative, keeps near-collinear terms (similar chunks) solvable
+
+    def __init__(self, k: int, decay: float = 0.98) -> None:
+        self.k = k
+        self.decay = decay
+        self.n = 0.0
+        self.xx = [[0.0] * k for _ in range(k)]
+        self.xy = [0.0] * k
+        self.yy = 0.0
+        self._coefs: list[float] | None = None
+
+    def add(self, x: tuple[float, ...], y: float) -> None:
+        g = self.decay
+        self.n = self.n * g + 1.0
+        for i in range(self.k):
+            self.xy[i] = self.xy[i] * g + x[i] * y
+            for j in range(self.k):
+                self.xx[i][j] = self.xx[i][j] * g + x[i] * x[j]
+        self.yy = self.yy * g + y * y
+        self._coefs = None
+
+    @property
+    def ready(self) -> bool:
+        return self.n >= 1.0
+
+    def fit(self) -> list[float]:
+        if self._coefs is None:
+            self._coefs = self._solve()
+        return self._coefs
+
+    def _solve(self) -> list[float]:
+        best: tuple[float, list[float]] | None = None
+        for size in range(1, self.k + 1):
+            for subset in itertools.combinations(range(self.k), size):
+                ks = _solve_normal(self.xx, self.xy, subset, self.RIDGE)
+                if ks is None or min(ks) < 0:
+                    continue
+                coefs = [0.0] * self.k
+                for i, v in zip(subset, ks, strict=True):
+                    coefs[i] = v
+                res = self._residual(coefs)
+                if best is None or res < best[0] - 1e-12 * max(self.yy, 1e-300):
+                    best = (res, coefs)
+        return best[1] if best else [0.0] * self.k
+
+    def _residual(self, c: list[float]) -> float:
+        r = self.yy - 2 * sum(c[i] * self.xy[i] for i in range(self.k))
+        return r + sum(c[i] * c[j] * self.xx[i][j] for i in range(self.k) for j in range(self.k))
+
+
+def _solve_normal(
+    xx: list[list[float]], xy: list[float], subset: tuple[int, ...], ridge: float
+) -> list[float] | None:
+    """Solve the normal equations restricted to `subset` (Gauss-Jordan, partial pivoting),
+    on columns scaled to unit diagonal: the terms differ by 10^5 in magnitude."""
+    m = len(subset)
+    if any(xx[i][i] <= 0 for i in subset):
+        return None
+    sc = [math.sqrt(xx[i][i]) for i in subset]
+    a = [
+        [xx[i][j] / (sc[r] * sc[c]) for c, j in enumerate(subset)] + [xy[i] / sc[r]]
+        for r, i in enumerate(subset)
+    ]
+    for r in range(m):
+        a[r][r] += ridge
+    for col in range(m):
+        piv = max(range(col, m), key=lambda r: abs(a[r][col]))
+        if abs(a[piv][col]) < 1e-300:
+            return None
+        a[col], a[piv] = a[piv], a[col]
+        for r in range(m):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                for c in range(col, m + 1):
+                    a[r][c] -= f * a[col][c]
+    return [a[r][m] / a[r][r] / sc[r] for r in range(m)]
+
+
 class StepCostModel:
     """The learned step-time model."""
 
@@ -67,13 +166,25 @@ class StepCostModel:
 
     def __init__(self) -> None:
         self._dec = _Line()  # x = decode tokens, y = seconds
-        self._tok = _Line()  # x = mean KV depth of the chunk, y = seconds per prompt token
+        # y = a step's seconds beyond its decode part; x = (prompt tokens, token-cells
+        # attended, KV span of the chunks): the terms c0, c1 and g of the module doc
+        self._prompt = _NonNegativeFit(3)
         self.max_seen_chunk = 0
         self.bias = 1.0  # measured / modelled time of recent planned steps
+        self.class_bias: dict[int, float] = {}  # the same, per size class (see size_class)
+
+    @staticmethod
+    def size_class(n_tokens: int) -> int:
+        """A step's size class: k for 2**k <= tokens < 2**(k + 1)."""
+        return max(1, n_tokens).bit_length() - 1
+
+    def bias_for(self, n_tokens: int) -> float:
+        """The bias of steps of this size: their class's once measured, else everyone's."""
+        return self.class_bias.get(self.size_class(n_tokens), self.bias)
 
     @property
     def knows_prompts(self) -> bool:
-        return self._tok.ready
+        return self._prompt.ready
 
     def decode_time(self, n_decode: int) -> float:
         if not self._dec.ready:
@@ -85,26 +196,27 @@ class StepCostModel:
         """Modelled seconds for a step of `n_decode` decode tokens and prompt `chunks` as
         (tokens, start depth); the decode part only while no prompt has been measured."""
         t = self.decode_time(n_decode)
-        if self._tok.ready:
+        if self.knows_prompts:
             t += sum(self.chunk_time(n, d) for n, d in chunks)
         return t
 
     def chunk_time(self, n: int, depth: int) -> float:
         """Modelled seconds for an n-token prompt chunk starting at KV depth `depth`."""
-        c0, c1 = self._tok.fit()
-        return n * (c0 + c1 * (depth + n / 2))
+        c0, c1, g = self._prompt.fit()
+        return n * (c0 + c1 * (depth + n / 2)) + g * (depth + n)
 
     def tokens_within(self, room_s: float, depth: int, cap: int) -> int:
         """Largest chunk from `depth` whose modelled time fits in `room_s` (at most `cap`,
         and at most twice the largest chunk measured: beyond that the model extrapolates)."""
-        if room_s <= 0:
+        c0, c1, g = self._prompt.fit()
+        room = room_s - g * depth
+        if room <= 0:
             return 0
-        c0, c1 = self._tok.fit()
-        lin = c0 + c1 * depth  # c1/2 * n^2 + lin * n <= room
+        lin = c0 + c1 * depth + g  # c1/2 * n^2 + lin * n <= room
         if c1 > 0:
-            n = (-lin + math.sqrt(lin * lin + 2 * c1 * room_s)) / c1
+            n = (-lin + math.sqrt(lin * lin + 2 * c1 * room)) / c1
         else:
-            n = room_s / lin if lin > 0 else float(cap)
+            n = room / lin if lin > 0 else float(cap)
         return max(0, min(cap, 2 * max(self.max_seen_chunk, 1), int(n)))
 
     def observe(self, n_decode: int, chunks: list[tuple[int, int]], seconds: float) -> None:
@@ -116,16 +228,24 @@ class StepCostModel:
                 # Between prefills the bias relaxes: a transient (another process for a
                 # while) must not shrink the next prompt's chunks for good.
                 self.bias += self.BIAS_RELAX * (1.0 - self.bias)
+                for c, b in self.class_bias.items():
+                    self.class_bias[c] = b + self.BIAS_RELAX * (1.0 - b)
             return
-        if n_decode and self._dec.ready and self._tok.ready:  # a step the budget planned
+        if n_decode and self._dec.ready and self.knows_prompts:  # a step the budget planned
             modelled = self.step_time(n_decode, chunks)
             if modelled > 0:
                 lo, hi = self.BIAS_RANGE
                 ratio = min(hi, max(lo, seconds / modelled))
                 self.bias += self.BIAS_GAIN * (ratio - self.bias)
+                c = self.size_class(n_decode + n_prompt)
+                prev = self.class_bias.get(c)  # a class's first step is its best estimate
+                self.class_bias[c] = (
+                    ratio if prev is None else prev + self.BIAS_GAIN * (ratio - prev)
+                )
         rest = max(seconds - self.decode_time(n_decode), 0.0)
-        depth = sum(n * (d + n / 2) for n, d in chunks) / n_prompt
-        self._tok.add(depth, rest / n_prompt)
+        cells = sum(n * (d + n / 2) for n, d in chunks)
+        span = sum(d + n for n, d in chunks)
+        self._prompt.add((float(n_prompt), cells, float(span)), rest)
         self.max_seen_chunk = max(self.max_seen_chunk, n_prompt)
 
     def estimate(self) -> dict[str, float]:
@@ -133,8 +253,10 @@ class StepCostModel:
         out: dict[str, float] = {}
         if self._dec.ready:
             out["decode_base_s"], out["decode_per_token_s"] = self._dec.fit()
-        if self._tok.ready:
-            out["prompt_token_s"], out["prompt_token_per_kv_cell_s"] = self._tok.fit()
+        if self.knows_prompts:
+            c0, c1, g = self._prompt.fit()
+            out["prompt_token_s"], out["prompt_token_per_kv_cell_s"] = c0, c1
+            out["prompt_chunk_per_kv_cell_s"] = g
         return out
 
 
@@ -148,8 +270,10 @@ class StepTimeBudget:
     between its first and second token, and none after.
     The first chunk granted gets at least `min_chunk` tokens, so prefill always progresses
     — also before the model has seen any prompt (it measures that chunk, then grows).
-    Chunks are sized to 85% of the target divided by the model's `bias`: the step's own
-    Python and jitter come on top of the engine time the model predicts.
+    Chunks are sized to 85% of the target divided by the model's bias for the step's size
+    class: the step's own Python and jitter come on top of the engine time the model
+    predicts, and a chunk that would take the step into a class that runs slow is cut to
+    the largest size of a cheaper class when that allows more tokens.
     """
 
     HEADROOM = 0.85
@@ -166,8 +290,9 @@ class StepTimeBudget:
         self.bounded = (
             max_stall_s is not None and (n_decode if protected is None else protected) > 0
         )
-        target = (max_stall_s or 0.0) * self.HEADROOM / model.bias
-        self.left = target - model.decode_time(n_decode)
+        self.target = (max_stall_s or 0.0) * self.HEADROOM
+        self.planned = model.decode_time(n_decode)  # modelled time of the step so far
+        self.tokens = n_decode  # tokens in the step so far
         self.min_chunk = min_chunk
         self._granted = False
 
@@ -176,10 +301,25 @@ class StepTimeBudget:
         if not self.bounded:
             return n_max
         floor = 0 if self._granted else min(self.min_chunk, n_max)
-        n = self.model.tokens_within(self.left, depth, n_max) if self.model.knows_prompts else 0
+        n = self._fit(n_max, depth) if self.model.knows_prompts else 0
         n = max(n, floor)
         if n:
             self._granted = True
+            self.tokens += n
             if self.model.knows_prompts:
-                self.left -= self.model.chunk_time(n, depth)
+                self.planned += self.model.chunk_time(n, depth)
         return n
+
+    def _fit(self, n_max: int, depth: int) -> int:
+        """The largest chunk whose step, modelled and corrected by its size class's bias,
+        stays within the target: size classes from the largest down, each cut to its range."""
+        m = self.model
+        top = m.size_class(self.tokens + n_max)
+        for c in range(top, m.size_class(self.tokens + 1) - 1, -1):
+            lo = max(1, (1 << c) - self.tokens)
+            hi = min(n_max, (1 << (c + 1)) - 1 - self.tokens)
+            room = self.target / m.bias_for(self.tokens + hi) - self.planned
+            n = m.tokens_within(room, depth, hi)
+            if n >= lo:
+                return n
+        return 0

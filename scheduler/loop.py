@@ -172,6 +172,13 @@ class EngineLoop:
         stats.step_s = schedule_s + p3 - p1
         if bounded and stats.step_s > (sched.cfg.max_stall_s or 0.0):
             self._log_over_target(stats.step_s, p2 - p1, modelled, out)
+        elif bounded and log.isEnabledFor(logging.DEBUG):  # the cost model's trace
+            log.debug(
+                "planned step: %.1f ms (engine %.1f ms, modelled %.1f ms, bias %.2f; "
+                "%d decode tokens, prompt chunks %s)",
+                1000 * stats.step_s, 1000 * (p2 - p1), 1000 * modelled, sched.cost.bias,
+                out.num_decode, out.prompt_chunks,
+            )  # fmt: skip
         self._post(outputs, stats)
 
     def _log_over_target(

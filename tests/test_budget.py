@@ -208,3 +208,64 @@ def test_a_burst_is_admitted_together_and_later_prompts_are_bounded_again() -> N
         step()
         assert steps[-1][1] <= 0.25, "a prompt step stalled decoders with two tokens or more"
     assert len(steps) > 9, "the late prompt was chunked"
+
+
+def tiled_step_time(batch: StepBatch) -> float:
+    """The 2-core CPU's shape (bench/chunk_cost.py): besides its tokens, a prompt chunk pays
+    for whole passes over the KV it attends to, whatever its size (attention in tiles)."""
+    t = 0.04
+    for c in batch.chunks:
+        n = len(c.tokens)
+        if c.seq_id < 4:
+            t += 0.002 * n
+        else:
+            t += n * (0.002 + 3e-7 * (c.pos0 + n / 2)) + 2e-5 * (c.pos0 + n)
+    return t
+
+
+def test_chunks_stay_under_the_target_where_small_chunks_cost_a_pass_over_the_kv() -> None:
+    """Deep in a 20K prompt a chunk's fixed pass over the KV is most of a 1 s step; a model
+    of per-token costs alone sized chunks for it that ran 1.2-1.4x over the target."""
+    times, prompt_tokens, steps = run_scenario(1.0, tiled_step_time)
+    assert steps > 0 and all(n >= 32 for n in prompt_tokens[:steps])
+    over = [round(t, 3) for t in times if t > 1.0]
+    assert len(over) <= 2, f"{len(over)} steps over the target: {over}"
+    assert sorted(times)[len(times) // 2] > 0.6, "and it still uses most of the target"
+
+
+def test_the_fit_separates_per_token_and_per_pass_costs() -> None:
+    m = StepCostModel()
+    rng = random.Random(1)
+    for _ in range(300):
+        n, d = rng.randint(32, 2048), rng.randint(0, 30000)
+        m.observe(4, [(n, d)], 0.05 + n * (0.002 + 3e-7 * (d + n / 2)) + 2e-5 * (d + n))
+        m.observe(4, [], 0.05)
+    est = m.estimate()
+    assert est["prompt_token_s"] == pytest.approx(0.002, rel=0.02)
+    assert est["prompt_token_per_kv_cell_s"] == pytest.approx(3e-7, rel=0.02)
+    assert est["prompt_chunk_per_kv_cell_s"] == pytest.approx(2e-5, rel=0.02)
+
+
+def kernel_switch_step_time(batch: StepBatch) -> float:
+    """A machine whose prompt tokens cost twice as much in steps of 64 tokens or more (a
+    different kernel path; on the 2-core CPU, ggml's tiled flash attention with decoders'
+    scattered cells in every tile: docs/benchmarks.md)."""
+    t = 0.05
+    slow = 2.0 if batch.num_tokens >= 64 else 1.0
+    for c in batch.chunks:
+        n = len(c.tokens)
+        if c.seq_id < 4:
+            t += 0.002 * n
+        else:
+            t += slow * n * (0.002 + 5e-7 * (c.pos0 + n / 2))
+    return t
+
+
+def test_a_step_size_that_runs_slow_is_learned_and_avoided() -> None:
+    """One bias for every step size oscillates on such a machine: chunks sized for the slow
+    class under-use the target, the bias falls, the next chunk crosses into the slow class
+    and overshoots. Per size class, each class is measured and planned for."""
+    times, prompt_tokens, steps = run_scenario(1.0, kernel_switch_step_time)
+    assert steps > 0 and all(n >= 32 for n in prompt_tokens[:steps])
+    over = [round(t, 3) for t in times if t > 1.0]
+    assert len(over) <= 3, f"{len(over)} steps over the target: {over}"
