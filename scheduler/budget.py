@@ -18,17 +18,19 @@ warms up or gets busy. Until a term has data, the chunk falls back to the minimu
 
 The fit lags a prefill that goes ever deeper: its points come from shallower chunks than
 the one being planned (on the 2-core CPU at 8K depth, steps planned at 850 ms took 1,050–
-1,100 ms). So the model also keeps `bias`, a fast moving average of measured / modelled
-time over the steps it planned (those with both decode tokens and prompt chunks), and the
-budget plans against the target divided by it: a model that runs behind is corrected
-within a few steps, whatever the cause.
+1,100 ms). So the model also keeps `bias`, a fast moving average (faster up than down) of
+measured / modelled time over the steps it planned (those with both decode tokens and
+prompt chunks), and the budget plans against the target divided by it: a model that runs
+behind is corrected within a few steps, whatever the cause.
 
-Kernels also change with a step's size, and no smooth model follows that: on the 2-core
-CPU, a step of 64 or more rows takes ggml's tiled flash-attention path, where the decoders'
-rows make every tile of their scattered sliding-window cells be computed for the whole
-tile — 62- to 79-token chunks at 12–16K depth took 1.0–1.3 s where 32–51 took 0.4–0.6 s
-(measured; `bench/chunk_cost.py` shows the engine alone at 14K: 59 tokens 625 ms, 128
-tokens 1,124 ms against 124 tokens 778 ms). So the bias is also kept per size class of
+Kernels also change with a step's size, and no smooth model follows that. On the 2-core
+CPU serving 4 decoders and a 16K prompt, 62- to 79-token chunks at 12–16K depth took
+1.0–1.3 s where 32–51 took 0.4–0.6 s (measured). A step of 64 or more rows takes ggml's
+tiled flash-attention path; our reading of its code is that the decoders' rows share tiles
+with the prompt's, and their sliding-window cells, scattered through the cache by hundreds
+of interleaved steps, make whole tiles compute. The engine alone (`bench/chunk_cost.py`,
+decoders' cells not scattered) shows a smaller jump of the same kind at 14K: 124 tokens
+778 ms, 128 tokens 1,124 ms. So the bias is also kept per size class of
 the step (its token count, by powers of two), and a chunk is planned with the bias of the
 class it would put the step in: the planner finds the cheap classes by measuring them.
 """
@@ -160,7 +162,12 @@ def _solve_normal(
 class StepCostModel:
     """The learned step-time model."""
 
-    BIAS_GAIN = 0.3  # weight of the newest step in `bias`
+    # Weight of the newest step in `bias`: a step slower than planned sets it (an overshoot
+    # is a pause users see; on the CPU a slow size class got slower with depth and each
+    # return to it ran 8-13% over with a gain of 0.6), a faster one moves it by 0.3 (an
+    # undershoot only costs a smaller chunk).
+    BIAS_GAIN = 0.3
+    BIAS_GAIN_UP = 1.0
     BIAS_RELAX = 0.05  # per decode-only step, `bias` moves this share back toward 1
     BIAS_RANGE = (0.5, 4.0)
 
@@ -236,17 +243,20 @@ class StepCostModel:
             if modelled > 0:
                 lo, hi = self.BIAS_RANGE
                 ratio = min(hi, max(lo, seconds / modelled))
-                self.bias += self.BIAS_GAIN * (ratio - self.bias)
                 c = self.size_class(n_decode + n_prompt)
-                prev = self.class_bias.get(c)  # a class's first step is its best estimate
-                self.class_bias[c] = (
-                    ratio if prev is None else prev + self.BIAS_GAIN * (ratio - prev)
-                )
+                # A class starts from everyone's bias: one step is too noisy to plan on
+                # alone (a first ratio of 0.7 let the next chunk run 9% over the target).
+                self.class_bias[c] = self._follow(self.class_bias.get(c, self.bias), ratio)
+                self.bias = self._follow(self.bias, ratio)
         rest = max(seconds - self.decode_time(n_decode), 0.0)
         cells = sum(n * (d + n / 2) for n, d in chunks)
         span = sum(d + n for n, d in chunks)
         self._prompt.add((float(n_prompt), cells, float(span)), rest)
         self.max_seen_chunk = max(self.max_seen_chunk, n_prompt)
+
+    def _follow(self, bias: float, ratio: float) -> float:
+        gain = self.BIAS_GAIN_UP if ratio > bias else self.BIAS_GAIN
+        return bias + gain * (ratio - bias)
 
     def estimate(self) -> dict[str, float]:
         """The model's current figures (for /metrics)."""
