@@ -78,10 +78,13 @@ class _Line:
 class _NonNegativeFit:
     """Weighted least squares for y = sum(k_i * x_i) with every k_i >= 0 and exponential
     forgetting. With three terms the exact non-negative solution is cheap: solve the normal
-    equations on every subset of terms and keep the best whose terms are all >= 0 (fewer
-    terms win a tie, so a single point gives the first term alone)."""
+    equations on every subset of terms and keep the best whose terms are all >= 0. More
+    terms must cut the residual by MORE_TERMS: with chunks of one size the three prompt
+    terms are collinear, and a fit that splits noise between them predicts other sizes
+    badly (a single point gives the first term alone)."""
 
     RIDGE = 1e-9  # relative, keeps near-collinear terms (similar chunks) solvable
+    MORE_TERMS = 0.9  # a fit with more terms must have under 90% of the residual
 
     def __init__(self, k: int, decay: float = 0.98) -> None:
         self.k = k
@@ -112,19 +115,21 @@ class _NonNegativeFit:
         return self._coefs
 
     def _solve(self) -> list[float]:
-        best: tuple[float, list[float]] | None = None
+        best: tuple[float, int, list[float]] | None = None  # (residual, terms, coefs)
+        tie = 1e-12 * max(self.yy, 1e-300)
         for size in range(1, self.k + 1):
             for subset in itertools.combinations(range(self.k), size):
                 ks = _solve_normal(self.xx, self.xy, subset, self.RIDGE)
-                if ks is None or min(ks) < 0:
+                if ks is None or min(ks) < 0 or not all(map(math.isfinite, ks)):
                     continue
                 coefs = [0.0] * self.k
                 for i, v in zip(subset, ks, strict=True):
                     coefs[i] = v
                 res = self._residual(coefs)
-                if best is None or res < best[0] - 1e-12 * max(self.yy, 1e-300):
-                    best = (res, coefs)
-        return best[1] if best else [0.0] * self.k
+                bar = best[0] * (self.MORE_TERMS if size > best[1] else 1.0) if best else 0.0
+                if best is None or res < bar - tie:
+                    best = (res, size, coefs)
+        return best[2] if best else [0.0] * self.k
 
     def _residual(self, c: list[float]) -> float:
         r = self.yy - 2 * sum(c[i] * self.xy[i] for i in range(self.k))
@@ -165,10 +170,16 @@ class StepCostModel:
     # Weight of the newest step in `bias`: a step slower than planned sets it (an overshoot
     # is a pause users see; on the CPU a slow size class got slower with depth and each
     # return to it ran 8-13% over with a gain of 0.6), a faster one moves it by 0.3 (an
-    # undershoot only costs a smaller chunk).
+    # undershoot only costs a smaller chunk). One step raises it by at most BIAS_JUMP: a
+    # single spike (the shared machine) must not make a class look 3x slower.
     BIAS_GAIN = 0.3
     BIAS_GAIN_UP = 1.0
+    BIAS_JUMP = 1.5
     BIAS_RELAX = 0.05  # per decode-only step, `bias` moves this share back toward 1
+    # Per planned step, a class not in it moves this share toward everyone's bias: the
+    # planner avoids a class that ran slow, so without this it would never be measured
+    # again during the prefill, and one slow step would cap the chunks for good.
+    CLASS_RELAX = 0.02
     BIAS_RANGE = (0.5, 4.0)
 
     def __init__(self) -> None:
@@ -220,14 +231,18 @@ class StepCostModel:
         if room <= 0:
             return 0
         lin = c0 + c1 * depth + g  # c1/2 * n^2 + lin * n <= room
-        if c1 > 0:
-            n = (-lin + math.sqrt(lin * lin + 2 * c1 * room)) / c1
-        else:
-            n = room / lin if lin > 0 else float(cap)
-        return max(0, min(cap, 2 * max(self.max_seen_chunk, 1), int(n)))
+        # the root of the quadratic in the form that does not cancel when c1 is tiny
+        denom = lin + math.sqrt(lin * lin + 2 * c1 * room)
+        n = 2 * room / denom if denom > 1e-30 else float(cap)
+        limit = min(cap, 2 * max(self.max_seen_chunk, 1))
+        return max(0, int(n) if n < limit else limit)
 
-    def observe(self, n_decode: int, chunks: list[tuple[int, int]], seconds: float) -> None:
-        """One step: its decode tokens, its prompt chunks as (tokens, start depth), its time."""
+    def observe(
+        self, n_decode: int, chunks: list[tuple[int, int]], seconds: float, planned: bool = True
+    ) -> None:
+        """One step: its decode tokens, its prompt chunks as (tokens, start depth), its time;
+        `planned` when its chunks were sized for the stall target (a burst's were not: its
+        ratio updates only its own size class, not the bias new classes start from)."""
         n_prompt = sum(n for n, _ in chunks)
         if n_prompt == 0:
             if n_decode:
@@ -247,7 +262,11 @@ class StepCostModel:
                 # A class starts from everyone's bias: one step is too noisy to plan on
                 # alone (a first ratio of 0.7 let the next chunk run 9% over the target).
                 self.class_bias[c] = self._follow(self.class_bias.get(c, self.bias), ratio)
-                self.bias = self._follow(self.bias, ratio)
+                if planned:
+                    self.bias = self._follow(self.bias, ratio)
+                    for k, b in self.class_bias.items():
+                        if k != c:
+                            self.class_bias[k] = b + self.CLASS_RELAX * (self.bias - b)
         rest = max(seconds - self.decode_time(n_decode), 0.0)
         cells = sum(n * (d + n / 2) for n, d in chunks)
         span = sum(d + n for n, d in chunks)
@@ -255,8 +274,9 @@ class StepCostModel:
         self.max_seen_chunk = max(self.max_seen_chunk, n_prompt)
 
     def _follow(self, bias: float, ratio: float) -> float:
-        gain = self.BIAS_GAIN_UP if ratio > bias else self.BIAS_GAIN
-        return bias + gain * (ratio - bias)
+        if ratio > bias:
+            return min(bias + self.BIAS_GAIN_UP * (ratio - bias), bias * self.BIAS_JUMP)
+        return bias + self.BIAS_GAIN * (ratio - bias)
 
     def estimate(self) -> dict[str, float]:
         """The model's current figures (for /metrics)."""

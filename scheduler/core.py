@@ -42,6 +42,7 @@ class SchedulerOutput:
     num_preempted: int = 0
     num_decode: int = 0  # decode tokens in the batch
     prompt_chunks: list[tuple[int, int]] = field(default_factory=list)  # (tokens, KV depth)
+    bounded: bool = False  # its prompt chunks were sized for the stall target
 
     @property
     def is_empty(self) -> bool:
@@ -102,15 +103,18 @@ class Scheduler:
         n_decode = len(plan)
         budget = self.cfg.max_num_batched_tokens - n_decode
         # Prompt chunks, oldest first (FCFS), sized to keep the step under the stall target
-        # — while a decoder that already has two tokens runs. A decoder with one token came
-        # with the prompts now waiting (a burst, or a closed-loop wave: the first arrival is
-        # prefilled alone while the rest arrive); bounding the step for it alone would
-        # stagger the burst over many steps, and every later step would mix prompt work.
-        protected = sum(1 for r, _ in plan.values() if len(r.output_ids) >= 2)
+        # — except for a burst: when every decoder has one token so far and no prefill is
+        # under way, the decoders came with the prompts now waiting (a closed-loop wave: the
+        # first arrival is prefilled alone while the rest arrive). Bounding the step for
+        # them would stagger the burst over many steps, and every later step would mix
+        # prompt work. A prefill already under way stays bounded for every decoder.
+        prefilling = [r for r in self.running if not r.is_decoding and r.req_id not in plan]
+        burst = not prefilling and all(len(r.output_ids) < 2 for r, _ in plan.values())
         timer = StepTimeBudget(
-            self.cost, self.cfg.max_stall_s, n_decode, self.cfg.min_prefill_chunk, protected
-        )
-        for req in [r for r in self.running if not r.is_decoding and r.req_id not in plan]:
+            self.cost, self.cfg.max_stall_s, n_decode, self.cfg.min_prefill_chunk,
+            protected=0 if burst else n_decode,
+        )  # fmt: skip
+        for req in prefilling:
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             n = timer.grant(min(req.num_uncomputed, budget, self._chunk_cap()), req.num_computed)
@@ -144,8 +148,9 @@ class Scheduler:
             budget -= n
 
         out = SchedulerOutput(
-            StepBatch([], starts, self._released), num_preempted=preempted, num_decode=n_decode
-        )
+            StepBatch([], starts, self._released), num_preempted=preempted, num_decode=n_decode,
+            bounded=timer.bounded,
+        )  # fmt: skip
         self._released = []
         for req, n in plan.values():
             assert req.seq_id is not None
@@ -243,7 +248,7 @@ class Scheduler:
     ) -> tuple[list[RequestOutput], StepStats]:
         """The one loop over a step's outputs: advance, append, detokenize, stop, finish."""
         engine_s = result.fill_s + result.decode_s + result.sample_s
-        self.cost.observe(out.num_decode, out.prompt_chunks, engine_s)
+        self.cost.observe(out.num_decode, out.prompt_chunks, engine_s, planned=out.bounded)
         stats = StepStats(
             num_step_tokens=out.batch.num_tokens,
             num_step_prompt_tokens=sum(n for n, _ in out.prompt_chunks),

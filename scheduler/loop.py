@@ -143,9 +143,7 @@ class EngineLoop:
 
     def _step_lane(self, lane: Lane, out: SchedulerOutput, schedule_s: float) -> None:
         sched = lane.scheduler
-        bounded = (
-            sched.cfg.max_stall_s is not None and out.num_decode > 0 and bool(out.prompt_chunks)
-        )
+        bounded = out.bounded and bool(out.prompt_chunks)
         modelled = sched.cost.step_time(out.num_decode, out.prompt_chunks) if bounded else 0.0
         p1 = time.perf_counter()
         result: StepResult | None

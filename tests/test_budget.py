@@ -11,6 +11,7 @@ import pytest
 from engine.step_types import StepBatch, StepResult
 from scheduler.budget import StepCostModel, StepTimeBudget
 from scheduler.core import Scheduler, SchedulerConfig
+from scheduler.request import Request
 from tests.fake_engine import FakeEngine, make_request
 
 
@@ -210,16 +211,17 @@ def test_a_burst_is_admitted_together_and_later_prompts_are_bounded_again() -> N
     assert len(steps) > 9, "the late prompt was chunked"
 
 
-def tiled_step_time(batch: StepBatch) -> float:
+def prompt_chunk_time(n: int, depth: int) -> float:
     """The 2-core CPU's shape (bench/chunk_cost.py): besides its tokens, a prompt chunk pays
     for whole passes over the KV it attends to, whatever its size (attention in tiles)."""
+    return n * (0.002 + 3e-7 * (depth + n / 2)) + 2e-5 * (depth + n)
+
+
+def tiled_step_time(batch: StepBatch) -> float:
     t = 0.04
     for c in batch.chunks:
         n = len(c.tokens)
-        if c.seq_id < 4:
-            t += 0.002 * n
-        else:
-            t += n * (0.002 + 3e-7 * (c.pos0 + n / 2)) + 2e-5 * (c.pos0 + n)
+        t += 0.002 * n if c.seq_id < 4 else prompt_chunk_time(n, c.pos0)
     return t
 
 
@@ -269,3 +271,61 @@ def test_a_step_size_that_runs_slow_is_learned_and_avoided() -> None:
     assert steps > 0 and all(n >= 32 for n in prompt_tokens[:steps])
     over = [round(t, 3) for t in times if t > 1.0]
     assert len(over) <= 3, f"{len(over)} steps over the target: {over}"
+
+
+def test_a_newcomer_is_not_stalled_by_a_prefill_under_way_when_old_decoders_leave() -> None:
+    """The burst exemption is for prompts arriving together, never for a prefill already
+    under way: a short request admitted beside a long prefill keeps its bound even when the
+    last old decoder leaves the step it got its first token (found in review: 12 s)."""
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=8, kv_capacity=40000, max_num_batched_tokens=2048,
+                        max_stall_s=1.0, min_prefill_chunk=32)
+    )  # fmt: skip
+    fake = FakeEngine()
+    fake.n_batch = 2048
+    now = 0.0
+    old = make_request("old", [5] * 16, 10_000, arrival=now)
+    sched.add(old)
+    newcomer: Request | None = None
+    last: dict[str, float] = {}
+    gaps: list[float] = []
+    for step in range(400):
+        if step == 10:
+            sched.add(make_request("long", [7] * 20_000, 1, arrival=now))
+        if step == 60:
+            newcomer = make_request("new", [9] * 16, 50, arrival=now)
+            sched.add(newcomer)
+        if newcomer is not None and len(newcomer.output_ids) == 1:
+            sched.abort("old")  # its client leaves in the step the newcomer starts decoding
+        out = sched.schedule(now)
+        res = fake.step(out.batch)
+        res.decode_s = 0.04 + sum(  # the CPU shape of `tiled_step_time`, by chunk length
+            0.002 if len(c.tokens) == 1 else prompt_chunk_time(len(c.tokens), c.pos0)
+            for c in out.batch.chunks
+        )
+        now += res.decode_s
+        outputs, _ = sched.postprocess(out, res, now)
+        for o in outputs:
+            if o.req_id == "new" and "new" in last:
+                gaps.append(now - last["new"])
+            last[o.req_id] = now
+        if newcomer is not None and newcomer.status.is_finished:
+            break
+    assert gaps and max(gaps) <= 1.0, f"the newcomer's longest gap {max(gaps):.2f} s"
+
+
+def test_one_slow_step_does_not_cap_the_chunks_for_the_rest_of_the_prefill() -> None:
+    """A single 3x spike (a shared machine) raises its size class's bias by at most half,
+    and the class drifts back toward everyone's bias while the planner avoids it."""
+
+    class OneSpike:
+        def __init__(self) -> None:
+            self.steps = 0
+
+        def __call__(self, batch: StepBatch) -> float:
+            self.steps += 1
+            return true_step_time(batch) * (3.0 if self.steps == 26 else 1.0)
+
+    _, _, steps_spike = run_scenario(0.25, OneSpike())
+    _, _, steps_base = run_scenario(0.25)
+    assert steps_spike <= steps_base * 1.1, f"{steps_spike} steps to first token vs {steps_base}"
