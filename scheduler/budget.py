@@ -178,8 +178,10 @@ class StepCostModel:
     BIAS_RELAX = 0.05  # per decode-only step, `bias` moves this share back toward 1
     # Per planned step, a class not in it moves this share toward everyone's bias: the
     # planner avoids a class that ran slow, so without this it would never be measured
-    # again during the prefill, and one slow step would cap the chunks for good.
-    CLASS_RELAX = 0.02
+    # again during the prefill, and one slow step would cap the chunks for good. Slowly:
+    # at 2% the CPU's slow class was re-entered too often as it got slower with depth
+    # (worst step 1,364 ms at a 1,000 ms target; 0.5%: 1,155 ms).
+    CLASS_RELAX = 0.005
     BIAS_RANGE = (0.5, 4.0)
 
     def __init__(self) -> None:
