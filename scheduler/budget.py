@@ -297,9 +297,9 @@ class StepTimeBudget:
 
     Unbounded when no decoder is protected (prompts then use full batches) or no target is
     set. `protected` (default: all `n_decode`) counts the decoders whose pauses the target
-    bounds; the scheduler leaves out those with one token so far, admitted with the
-    prompts now waiting (see `Scheduler.schedule`), so each request may see one long gap,
-    between its first and second token, and none after.
+    bounds; the scheduler passes 0 for a burst's step (every decoder has one token and no
+    prefill is under way: see `Scheduler.schedule`), so a request of a burst may see one
+    long gap, between its first and second token, and none after.
     The first chunk granted gets at least `min_chunk` tokens, so prefill always progresses
     — also before the model has seen any prompt (it measures that chunk, then grows).
     Chunks are sized to 85% of the target divided by the model's bias for the step's size
