@@ -295,11 +295,10 @@ class StepCostModel:
 class StepTimeBudget:
     """The time left for prompt chunks in the step being planned.
 
-    Unbounded when no decoder is protected (prompts then use full batches) or no target is
-    set. `protected` (default: all `n_decode`) counts the decoders whose pauses the target
-    bounds; the scheduler passes 0 for a burst's step (every decoder has one token and no
-    prefill is under way: see `Scheduler.schedule`), so a request of a burst may see one
-    long gap, between its first and second token, and none after.
+    Unbounded when nobody decodes (prompts then use full batches), no target is set, or
+    the step is a `burst`'s (every decoder has one token and no prefill is under way: see
+    `Scheduler.schedule`), so a request of a burst may see one long gap, between its first
+    and second token, and none after.
     The first chunk granted gets at least `min_chunk` tokens, so prefill always progresses
     — also before the model has seen any prompt (it measures that chunk, then grows).
     Chunks are sized to 85% of the target divided by the model's bias for the step's size
@@ -316,12 +315,10 @@ class StepTimeBudget:
         max_stall_s: float | None,
         n_decode: int,
         min_chunk: int,
-        protected: int | None = None,
+        burst: bool = False,
     ) -> None:
         self.model = model
-        self.bounded = (
-            max_stall_s is not None and (n_decode if protected is None else protected) > 0
-        )
+        self.bounded = max_stall_s is not None and n_decode > 0 and not burst
         self.target = (max_stall_s or 0.0) * self.HEADROOM
         self.planned = model.decode_time(n_decode)  # modelled time of the step so far
         self.tokens = n_decode  # tokens in the step so far

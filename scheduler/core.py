@@ -111,9 +111,8 @@ class Scheduler:
         prefilling = [r for r in self.running if not r.is_decoding and r.req_id not in plan]
         burst = not prefilling and all(len(r.output_ids) < 2 for r, _ in plan.values())
         timer = StepTimeBudget(
-            self.cost, self.cfg.max_stall_s, n_decode, self.cfg.min_prefill_chunk,
-            protected=0 if burst else n_decode,
-        )  # fmt: skip
+            self.cost, self.cfg.max_stall_s, n_decode, self.cfg.min_prefill_chunk, burst
+        )
         for req in prefilling:
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue

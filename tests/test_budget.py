@@ -28,6 +28,20 @@ def true_step_time(batch: StepBatch) -> float:
     return t
 
 
+def bounded_scheduler(
+    max_stall_s: float | None, max_num_seqs: int = 8
+) -> tuple[Scheduler, FakeEngine]:
+    """A scheduler with a 2,048-token step and a 40,000-cell KV pool, and its fake engine."""
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=max_num_seqs, kv_capacity=40000,
+                        max_num_batched_tokens=2048, max_stall_s=max_stall_s,
+                        min_prefill_chunk=32)
+    )  # fmt: skip
+    fake = FakeEngine()
+    fake.n_batch = 2048
+    return sched, fake
+
+
 def test_cost_model_recovers_a_linear_machine() -> None:
     m = StepCostModel()
     rng = random.Random(0)
@@ -71,12 +85,7 @@ def run_scenario(
 ) -> tuple[list[float], list[int], int]:
     """4 users decode while a 20,000-token prompt arrives; return the time of every step that
     carried a decoder, the prompt tokens of each step, and steps until the prompt's first token."""
-    sched = Scheduler(
-        SchedulerConfig(max_num_seqs=8, kv_capacity=40000, max_num_batched_tokens=2048,
-                        max_stall_s=max_stall_s, min_prefill_chunk=32)
-    )  # fmt: skip
-    fake = FakeEngine()
-    fake.n_batch = 2048
+    sched, fake = bounded_scheduler(max_stall_s)
     now = 0.0
     for i in range(4):
         sched.add(make_request(f"d{i}", [5 + i] * 16, 10_000, arrival=now))
@@ -140,12 +149,7 @@ def test_the_bias_follows_a_slow_spell_and_relaxes_after_it() -> None:
 def test_two_long_prompts_go_first_come_first_served_and_both_finish() -> None:
     """FCFS: the older prompt takes the step's prompt time first (and always its minimum
     chunk); the younger one gets what is left, then all of it. Nobody starves."""
-    sched = Scheduler(
-        SchedulerConfig(max_num_seqs=8, kv_capacity=40000, max_num_batched_tokens=2048,
-                        max_stall_s=0.25, min_prefill_chunk=32)
-    )  # fmt: skip
-    fake = FakeEngine()
-    fake.n_batch = 2048
+    sched, fake = bounded_scheduler(0.25)
     now = 0.0
     for i in range(4):
         sched.add(make_request(f"d{i}", [5 + i] * 16, 10_000))
@@ -173,12 +177,7 @@ def test_a_burst_is_admitted_together_and_later_prompts_are_bounded_again() -> N
     prefilled; the other 15 arrive during that step. The first has one token, so it came
     with them: the next step takes all 15 prompts (llama-server would too), not one
     bounded chunk at a time. Once it has two tokens, a newcomer's prompt is chunked."""
-    sched = Scheduler(
-        SchedulerConfig(max_num_seqs=32, kv_capacity=40000, max_num_batched_tokens=2048,
-                        max_stall_s=0.25, min_prefill_chunk=32)
-    )  # fmt: skip
-    fake = FakeEngine()
-    fake.n_batch = 2048
+    sched, fake = bounded_scheduler(0.25, max_num_seqs=32)
 
     def cost(batch: StepBatch) -> float:  # 1,920 prompt tokens: ~1 s, over the target
         return 0.008 + 0.0005 * batch.num_tokens
@@ -277,12 +276,7 @@ def test_a_newcomer_is_not_stalled_by_a_prefill_under_way_when_old_decoders_leav
     """The burst exemption is for prompts arriving together, never for a prefill already
     under way: a short request admitted beside a long prefill keeps its bound even when the
     last old decoder leaves the step it got its first token (found in review: 12 s)."""
-    sched = Scheduler(
-        SchedulerConfig(max_num_seqs=8, kv_capacity=40000, max_num_batched_tokens=2048,
-                        max_stall_s=1.0, min_prefill_chunk=32)
-    )  # fmt: skip
-    fake = FakeEngine()
-    fake.n_batch = 2048
+    sched, fake = bounded_scheduler(1.0)
     now = 0.0
     old = make_request("old", [5] * 16, 10_000, arrival=now)
     sched.add(old)
