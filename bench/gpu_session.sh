@@ -52,7 +52,7 @@ for s in "${steps[@]}"; do
     hybrid-planned)  # issue 6 item 3 alone: the planned layout and its two peers, 3 repeats
       run hybrid-planned python3 -m bench.hybrid --model "$MODEL" --peer-bin "$PEER_BIN" \
         --vram-budget "${HYBRID_BUDGET:-half-experts}" --concurrency 1 4 8 --layouts planned \
-        --repeats 3 ;;
+        --repeats "${HYBRID_REPEATS:-3}" ;;
     compare-1r) run compare python3 -m bench.compare --gpu --peer-bin "$PEER_BIN" \
       --model "$MODEL" --concurrency 1 4 8 16 32 --isl 128 --osl 128 --waves 2 \
       --lockstep-waves 2 --repeats 1 ;;
@@ -74,6 +74,9 @@ for s in "${steps[@]}"; do
   esac
 done
 cp -r .bench/runs "$R/bench-runs" 2>/dev/null
+# llama.cpp's own account of its buffers in our server's logs (what the plan's reserves model)
+grep -h "buffer size\|GPU: weights" "$R"/bench-runs/*/ours*.log 2>/dev/null \
+  | sed 's/^[-0-9]* [0-9:,.]* //' | sort | uniq -c > "$R/buffers.txt"
 for f in "$R"/machine.txt "$R"/*.txt "$R"/*.log; do
   [ "$f" = "$R/all.txt" ] || { echo "===== $(basename "$f")"; cat "$f"; }
 done > "$R/all.txt" 2>/dev/null

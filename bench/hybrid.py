@@ -42,17 +42,22 @@ class Row:
 
 
 def _plan_cpu_layers(model: Path, budget: str, kv_tokens: int) -> tuple[str, int, str]:
-    """The budget in bytes (`half-experts`: the non-expert part, the reserves and half the
-    routed experts' bytes), the layers whose experts our plan does not hold entirely on the
-    GPU (llama.cpp's `--n-cpu-moe` N for the same budget), and the plan's table."""
+    """The budget in bytes, the layers whose experts our plan does not hold entirely on the
+    GPU (llama.cpp's `--n-cpu-moe` N for the same budget), and the plan's table.
+
+    `half-experts` is the non-expert part, the KV, half the routed experts' bytes and the
+    buffers with llama.cpp's own fitting margin (1 GiB) — not our server's margin, so the
+    budget does not move with what our planner reserves, and any VRAM the plan leaves
+    unused is room the peer may take (it is measured, not planned)."""
     from api.planning import PlanRequest, plan_model
     from engine.gguf_meta import read_meta
-    from engine.plan import PlanOptions, expert_layer, format_plan, vram_for_expert_share
+    from engine.plan import GiB, PlanOptions, expert_layer, format_plan, vram_for_expert_share
 
     meta = read_meta(model)
     opts = PlanOptions(kv_tokens=kv_tokens)  # the server's: --repro-slots 0, n_ubatch 512
     if budget == "half-experts":
-        budget = str(vram_for_expert_share(meta, opts, 0.5))
+        fixed = PlanOptions(kv_tokens=kv_tokens, vram_margin=GiB)
+        budget = str(vram_for_expert_share(meta, fixed, 0.5))
     plan = plan_model(meta, PlanRequest(vram_budget=budget, options=opts))
     moe_layers = {expert_layer(t.name) for t in plan.tensors} - {-1}
     return budget, len(moe_layers) - plan.expert_layers_on_gpu, format_plan(plan)

@@ -95,6 +95,25 @@ def test_plan_cli_places_whole_layers_from_the_last_down_and_prints_a_table(
     assert "routed experts on GPU: 2 whole layers" in table.stdout
 
 
+def test_a_larger_vram_margin_leaves_more_experts_in_ram(model: Path, budget: int) -> None:
+    """--vram-margin is VRAM the plan keeps free: the same budget with a margin larger by
+    two expert tensors' bytes (32 KiB each here) holds two fewer; not a size is refused."""
+
+    def gpu_experts(*extra: str) -> set[str]:
+        out = one_gpu("plan", str(model), "--vram-budget", str(budget), "--ram-budget", "8GiB",
+                      "--ctx", str(N_CTX), "--n-ubatch", str(N_UBATCH), "--json", *extra)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        placed = json.loads(out.stdout)["tensors"]
+        return {t["name"] for t in placed if EXPERT.match(t["name"]) and t["device"] == "gpu"}
+
+    default = gpu_experts()
+    assert default == gpu_experts("--vram-margin", "384MiB")
+    wider = gpu_experts("--vram-margin", f"{384 * 2**20 + 2 * 32768}")
+    assert wider < default and len(wider) == len(default) - 2
+    bad = one_gpu("plan", str(model), "--vram-budget", str(budget), "--vram-margin", "some")
+    assert bad.returncode == 2 and "not a size" in bad.stderr
+
+
 def test_plan_cli_refuses_a_gpu_too_small_with_the_numbers(model: Path) -> None:
     out = one_gpu("plan", str(model), "--vram-budget", "64MiB", "--ctx", "4096")
     assert out.returncode == 2
