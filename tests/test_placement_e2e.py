@@ -100,8 +100,10 @@ def test_a_larger_vram_margin_leaves_more_experts_in_ram(model: Path, budget: in
     two expert tensors' bytes (32 KiB each here) holds two fewer; not a size is refused."""
 
     def gpu_experts(*extra: str) -> set[str]:
-        out = one_gpu("plan", str(model), "--vram-budget", str(budget), "--ram-budget", "8GiB",
-                      "--ctx", str(N_CTX), "--n-ubatch", str(N_UBATCH), "--json", *extra)  # fmt: skip
+        out = one_gpu(
+            "plan", str(model), "--vram-budget", str(budget), "--ram-budget", "8GiB",
+            "--ctx", str(N_CTX), "--n-ubatch", str(N_UBATCH), "--json", *extra,
+        )  # fmt: skip
         assert out.returncode == 0, out.stderr
         placed = json.loads(out.stdout)["tensors"]
         return {t["name"] for t in placed if EXPERT.match(t["name"]) and t["device"] == "gpu"}
