@@ -79,6 +79,7 @@ def _state(
             max_waiting=settings.max_waiting,
             max_stall_s=None if settings.max_stall_ms is None else settings.max_stall_ms / 1000,
             min_prefill_chunk=settings.min_prefill_chunk,
+            ubatch=settings.engine.n_ubatch,
         )
     )
     name = settings.served_model_name or Path(settings.engine.model_path).stem

@@ -31,6 +31,7 @@ class SchedulerConfig:
     kv_watermark: int = 0  # cells kept free when admitting, so decoders are not preempted
     max_stall_s: float | None = None  # target step time while others decode (None = off)
     min_prefill_chunk: int = 32  # prompt tokens a step always grants: prefill progresses
+    ubatch: int = 0  # llama.cpp's physical batch: bounded steps avoid a short last one
 
 
 @dataclass(slots=True)
@@ -111,7 +112,12 @@ class Scheduler:
         prefilling = [r for r in self.running if not r.is_decoding and r.req_id not in plan]
         burst = not prefilling and all(len(r.output_ids) < 2 for r, _ in plan.values())
         timer = StepTimeBudget(
-            self.cost, self.cfg.max_stall_s, n_decode, self.cfg.min_prefill_chunk, burst
+            self.cost,
+            self.cfg.max_stall_s,
+            n_decode,
+            self.cfg.min_prefill_chunk,
+            burst,
+            self.cfg.ubatch,
         )
         for req in prefilling:
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
