@@ -40,6 +40,7 @@ from scheduler.core import Scheduler, SchedulerConfig
 from scheduler.loop import EngineLoop
 
 log = logging.getLogger(__name__)
+CPU_ATTENTION_TILE = 64  # query rows per tile of ggml's CPU flash attention (GGML_FA_TILE_Q)
 
 
 def _load(settings: ServerSettings) -> tuple[Model, list[Engine], Placement]:
@@ -80,6 +81,7 @@ def _state(
             max_stall_s=None if settings.max_stall_ms is None else settings.max_stall_ms / 1000,
             min_prefill_chunk=settings.min_prefill_chunk,
             ubatch=settings.engine.n_ubatch,
+            attention_tile=CPU_ATTENTION_TILE if model.attention_on_cpu else 0,
         )
     )
     name = settings.served_model_name or Path(settings.engine.model_path).stem

@@ -148,6 +148,14 @@ class Model:
             rate=rate,
         )  # fmt: skip
 
+    @property
+    def attention_on_cpu(self) -> bool:
+        """Whether some layer's attention runs on the CPU: no GPU build, or layers kept off
+        the GPU (`n_gpu_layers` 0 or fewer than the model has)."""
+        if self.cfg.n_gpu_layers == 0 or not self.ll.llama_supports_gpu_offload():
+            return True
+        return 0 < self.cfg.n_gpu_layers <= self.n_layer
+
     def _device_greedy(self) -> bool:
         if self.cfg.device_greedy is not None:
             return self.cfg.device_greedy

@@ -31,8 +31,9 @@ with the prompt's, and their sliding-window cells, scattered through the cache b
 of interleaved steps, make whole tiles compute. The engine alone (`bench/chunk_cost.py`,
 decoders' cells not scattered) shows a smaller jump of the same kind at 14K: 124 tokens
 778 ms, 128 tokens 1,124 ms. So the bias is also kept per size class of
-the step (its token count, by powers of two), and a chunk is planned with the bias of the
-class it would put the step in: the planner finds the cheap classes by measuring them.
+the step (its token count by powers of two, per physical batch: `size_class`), and a chunk
+is planned with the bias of the class it would put the step in: the planner finds the
+cheap classes by measuring them.
 """
 
 from __future__ import annotations
@@ -176,15 +177,17 @@ class StepCostModel:
     BIAS_GAIN_UP = 1.0
     BIAS_JUMP = 1.5
     BIAS_RELAX = 0.05  # per decode-only step, `bias` moves this share back toward 1
-    # Per planned step, a class not in it moves this share toward everyone's bias: the
-    # planner avoids a class that ran slow, so without this it would never be measured
-    # again during the prefill, and one slow step would cap the chunks for good. Slowly:
-    # at 2% the CPU's slow class was re-entered too often as it got slower with depth
-    # (worst step 1,364 ms at a 1,000 ms target; 0.5%: 1,155 ms).
-    CLASS_RELAX = 0.005
+    # The planner avoids a class that ran slow, so it would never measure it again, and one
+    # spike would cap the chunks for good. So when it compares classes it sees a slow
+    # class's bias relax toward everyone's as the class goes unmeasured (time constant in
+    # measured steps), while a chunk in it is still sized with its own bias: a return to
+    # it is a probe within the target. (Relaxing the bias itself, 0.5-2% a step, let the
+    # CPU's slow class be re-entered with a bias it no longer had: up to 1,364 ms at a
+    # 1,000 ms target.)
+    EXPLORE_STEPS = 3.0
     BIAS_RANGE = (0.5, 4.0)
 
-    def __init__(self) -> None:
+    def __init__(self, ubatch: int = 0, tile: int = 0) -> None:
         self._dec = _Line()  # x = decode tokens, y = seconds
         # y = a step's seconds beyond its decode part; x = (prompt tokens, token-cells
         # attended, KV span of the chunks): the terms c0, c1 and g of the module doc
@@ -192,22 +195,64 @@ class StepCostModel:
         self.max_seen_chunk = 0
         self.bias = 1.0  # measured / modelled time of recent planned steps
         self.class_bias: dict[int, float] = {}  # the same, per size class (see size_class)
+        if tile & (tile - 1) or (tile and ubatch % tile):
+            raise ValueError("the attention tile must be a power of two dividing ubatch")
+        self.ubatch = ubatch  # llama.cpp's physical batch (0: not known)
+        self.tile = tile  # query rows per attention tile (0: attention is not tiled)
+        self._measured = 0  # steps that updated a class bias
+        self._class_seen: dict[int, int] = {}  # class -> `_measured` when last updated
 
-    @staticmethod
-    def size_class(n_tokens: int) -> int:
-        """A step's size class: k for 2**(k - 1) < tokens <= 2**k. Kernels switch, and
-        llama.cpp starts another physical batch (`n_ubatch`, a power of two), when a size
-        goes past a power of two: 512 tokens are one physical batch, 513 two."""
-        return (max(1, n_tokens) - 1).bit_length()
+    _FULL = 1 << 16  # size_class: one full physical batch
 
-    @staticmethod
-    def class_range(c: int) -> tuple[int, int]:
+    def size_class(self, n_tokens: int) -> int:
+        """A step's size class, ordered as its size: `_FULL` per full physical batch
+        (llama.cpp runs a step as batches of `ubatch` tokens), plus the class of the last
+        batch — by powers of two (kernels switch at powers of two: ggml's CPU flash
+        attention tiles from 64 rows, the GPU copies RAM experts from 32) and, from one
+        attention tile on, by the tiles it fills (a tile costs the same for 1 row as for
+        64). So 512 tokens are one batch and 513 two; 64 rows one tile and 65 two."""
+        n, full = max(1, n_tokens), 0
+        if self.ubatch:
+            full, n = divmod(n - 1, self.ubatch)
+            n += 1
+        if self.tile and n >= self.tile:
+            k = self.tile.bit_length() - 1 + (n - 1) // self.tile
+        else:
+            k = n.bit_length() - 1
+        return full * self._FULL + k
+
+    def class_range(self, c: int) -> tuple[int, int]:
         """The step sizes (tokens) of size class `c`, inclusive."""
-        return (1 << (c - 1)) + 1 if c else 1, 1 << c
+        full, k = divmod(c, self._FULL)
+        tiled = self.tile.bit_length() - 1 if self.tile else k + 1
+        if k >= tiled:
+            j = k - tiled
+            first, last = (j * self.tile + 1 if j else self.tile), (j + 1) * self.tile
+        else:
+            first, last = 1 << k, (1 << (k + 1)) - 1
+            last = min(last, self.tile - 1) if self.tile else last
+        if self.ubatch:
+            last = min(last, self.ubatch)
+        return full * self.ubatch + first, full * self.ubatch + last
+
+    def lower_class(self, c: int) -> int:
+        """The size class just below `c` (-1 below the smallest)."""
+        first, _ = self.class_range(c)
+        return self.size_class(first - 1) if first > 1 else -1
 
     def bias_for(self, n_tokens: int) -> float:
         """The bias of steps of this size: their class's once measured, else everyone's."""
         return self.class_bias.get(self.size_class(n_tokens), self.bias)
+
+    def choice_bias(self, n_tokens: int) -> float:
+        """The bias the planner compares classes with: a slow class's relaxes toward
+        everyone's the longer it goes unmeasured (see EXPLORE_STEPS)."""
+        c = self.size_class(n_tokens)
+        b = self.class_bias.get(c, self.bias)
+        if b <= self.bias:
+            return b
+        age = self._measured - self._class_seen.get(c, self._measured)
+        return self.bias + (b - self.bias) * math.exp(-age / self.EXPLORE_STEPS)
 
     @property
     def knows_prompts(self) -> bool:
@@ -262,25 +307,38 @@ class StepCostModel:
                 for c, b in self.class_bias.items():
                     self.class_bias[c] = b + self.BIAS_RELAX * (1.0 - b)
             return
+        # The fit learns the smooth cost: the step's time less what sets its size class
+        # apart (its class's bias over everyone's, before this step moves them), so a slow
+        # class does not pull every other class's model up, nor a fast one down — each
+        # class's bias is a ratio to the fit and would go stale whenever the fit moved.
+        class_bias = self.bias_for(n_decode + n_prompt)
+        normal = seconds * self.bias / class_bias
         if n_decode and self._dec.ready and self.knows_prompts:  # a step the budget planned
             modelled = self.step_time(n_decode, chunks)
             if modelled > 0:
                 lo, hi = self.BIAS_RANGE
                 ratio = min(hi, max(lo, seconds / modelled))
+                if ratio > class_bias * self.BIAS_JUMP:
+                    # An outlier (a spike of the shared machine, or a step size that runs
+                    # far slower): the biases jump, the fit does not learn it, or every
+                    # class would look slow for as long as the fit remembers it. If it
+                    # persists, the biases catch up and the fit learns it from then on.
+                    normal = -1.0
                 c = self.size_class(n_decode + n_prompt)
                 # A class starts from everyone's bias: one step is too noisy to plan on
                 # alone (a first ratio of 0.7 let the next chunk run 9% over the target).
                 self.class_bias[c] = self._follow(self.class_bias.get(c, self.bias), ratio)
+                self._measured += 1
+                self._class_seen[c] = self._measured
                 if planned:
                     self.bias = self._follow(self.bias, ratio)
-                    for k, b in self.class_bias.items():
-                        if k != c:
-                            self.class_bias[k] = b + self.CLASS_RELAX * (self.bias - b)
-        rest = max(seconds - self.decode_time(n_decode), 0.0)
+        self.max_seen_chunk = max(self.max_seen_chunk, n_prompt)
+        if normal < 0:
+            return
+        rest = max(normal - self.decode_time(n_decode), 0.0)
         cells = sum(n * (d + n / 2) for n, d in chunks)
         span = sum(d + n for n, d in chunks)
         self._prompt.add((float(n_prompt), cells, float(span)), rest)
-        self.max_seen_chunk = max(self.max_seen_chunk, n_prompt)
 
     def _follow(self, bias: float, ratio: float) -> float:
         if ratio > bias:
@@ -312,12 +370,15 @@ class StepTimeBudget:
     class: the step's own Python and jitter come on top of the engine time the model
     predicts, and a chunk that would take the step into a class that runs slow is cut to
     the largest size of a cheaper class when that allows more tokens.
-    A step of more than one `ubatch` (llama.cpp runs a batch as physical batches of that
-    size) does not end in a short one: each physical batch pays a fixed cost whatever its
+    A step of more than one `model.ubatch` (llama.cpp runs a batch as physical batches of
+    that size) does not end in a short one: each physical batch pays a fixed cost whatever its
     size — with experts in host RAM, a copy of the experts to the GPU or, under 32 tokens,
     a CPU pass over them (an H200 step of 4 decoders and a 538-token chunk, 512 + 30 rows,
     took 498 ms against 289 modelled) — so a tail shorter than a quarter of `ubatch` is
-    left to the next step.
+    left to the next step. The same for `model.tile`, when attention runs on the CPU: ggml's
+    flash attention there works in tiles of 64 query rows from 64 rows on, and a tile
+    costs the same for 1 row as for 64 (2-core CPU, 12.6K depth, 4 decoders: a 60-token
+    chunk took 747 ms, a 65-token one 1,014).
     """
 
     HEADROOM = 0.85
@@ -329,10 +390,8 @@ class StepTimeBudget:
         n_decode: int,
         min_chunk: int,
         burst: bool = False,
-        ubatch: int = 0,
     ) -> None:
         self.model = model
-        self.ubatch = ubatch  # llama.cpp's physical batch (0: steps are not split)
         self.bounded = max_stall_s is not None and n_decode > 0 and not burst
         self.target = (max_stall_s or 0.0) * self.HEADROOM
         self.planned = model.decode_time(n_decode)  # modelled time of the step so far
@@ -355,24 +414,35 @@ class StepTimeBudget:
         return n
 
     def _without_short_tail(self, n: int) -> int:
-        """`n`, less the tokens that would put a short last physical batch in the step."""
-        total = self.tokens + n
-        if not self.ubatch or total <= self.ubatch:
-            return n
-        tail = total % self.ubatch
-        return n - tail if tail < self.ubatch // 4 else n
+        """`n`, less the tokens that would end the step in a short physical batch or
+        attention tile."""
+        for q in (self.model.ubatch, self.model.tile):
+            total = self.tokens + n
+            if q and total > q and total % q < q // 4:
+                n -= min(total % q, n)
+        return n
 
     def _fit(self, n_max: int, depth: int) -> int:
-        """The largest chunk whose step, modelled and corrected by its size class's bias,
-        stays within the target: size classes from the largest down, each cut to its range."""
+        """The chunk that prefills fastest — most prompt tokens per second of step, as
+        modelled and corrected by the bias of the size class it puts the step in — among
+        the largest of each class that keep the step within the target. Not simply the
+        largest: on the 2-core CPU at 12K depth a step of 63 rows took 530 ms and one of
+        64 (ggml's tiled attention) 800, for one token more."""
         m = self.model
-        top = m.size_class(self.tokens + n_max)
-        for c in range(top, m.size_class(self.tokens + 1) - 1, -1):
+        best, best_rate = 0, 0.0
+        c, bottom = m.size_class(self.tokens + n_max), m.size_class(self.tokens + 1)
+        while c >= bottom:
             first, last = m.class_range(c)
             lo = max(1, first - self.tokens)
             hi = min(n_max, last - self.tokens)
-            room = self.target / m.bias_for(self.tokens + hi) - self.planned
-            n = m.tokens_within(room, depth, hi)
+            n = m.tokens_within(self.target / m.bias_for(self.tokens + hi) - self.planned,
+                                depth, hi)  # fmt: skip
             if n >= lo:
-                return n
-        return 0
+                # compared as it may be (its chunk were its bias relaxed), sized as it is
+                b = m.choice_bias(self.tokens + hi)
+                n_may = max(n, m.tokens_within(self.target / b - self.planned, depth, hi))
+                rate = n_may / (b * (self.planned + m.chunk_time(n_may, depth)))
+                if rate > best_rate:
+                    best, best_rate = n, rate
+            c = m.lower_class(c)
+        return best

@@ -32,6 +32,7 @@ class SchedulerConfig:
     max_stall_s: float | None = None  # target step time while others decode (None = off)
     min_prefill_chunk: int = 32  # prompt tokens a step always grants: prefill progresses
     ubatch: int = 0  # llama.cpp's physical batch: bounded steps avoid a short last one
+    attention_tile: int = 0  # query rows per attention tile (ggml CPU: 64), the same
 
 
 @dataclass(slots=True)
@@ -57,7 +58,7 @@ class Scheduler:
             raise ValueError("max_num_batched_tokens must be >= 1")
         self.cfg = cfg
         self.pool = KVPool(cfg.kv_capacity, cfg.max_num_seqs)
-        self.cost = StepCostModel()
+        self.cost = StepCostModel(cfg.ubatch, cfg.attention_tile)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._by_id: dict[str, Request] = {}
@@ -112,12 +113,7 @@ class Scheduler:
         prefilling = [r for r in self.running if not r.is_decoding and r.req_id not in plan]
         burst = not prefilling and all(len(r.output_ids) < 2 for r, _ in plan.values())
         timer = StepTimeBudget(
-            self.cost,
-            self.cfg.max_stall_s,
-            n_decode,
-            self.cfg.min_prefill_chunk,
-            burst,
-            self.cfg.ubatch,
+            self.cost, self.cfg.max_stall_s, n_decode, self.cfg.min_prefill_chunk, burst
         )
         for req in prefilling:
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop

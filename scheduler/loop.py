@@ -145,6 +145,8 @@ class EngineLoop:
         sched = lane.scheduler
         bounded = out.bounded and bool(out.prompt_chunks)
         modelled = sched.cost.step_time(out.num_decode, out.prompt_chunks) if bounded else 0.0
+        size = out.num_decode + sum(n for n, _ in out.prompt_chunks)
+        class_bias = sched.cost.bias_for(size)  # what the chunks were planned with
         p1 = time.perf_counter()
         result: StepResult | None
         try:
@@ -172,10 +174,10 @@ class EngineLoop:
             self._log_over_target(stats.step_s, p2 - p1, modelled, out)
         elif bounded and log.isEnabledFor(logging.DEBUG):  # the cost model's trace
             log.debug(
-                "planned step: %.1f ms (engine %.1f ms, modelled %.1f ms, bias %.2f; "
-                "%d decode tokens, prompt chunks %s)",
-                1000 * stats.step_s, 1000 * (p2 - p1), 1000 * modelled, sched.cost.bias,
-                out.num_decode, out.prompt_chunks,
+                "planned step: %.1f ms (engine %.1f ms, modelled %.1f ms, planned with bias "
+                "%.2f, now %.2f, all sizes %.2f; %d decode tokens, prompt chunks %s)",
+                1000 * stats.step_s, 1000 * (p2 - p1), 1000 * modelled, class_bias,
+                sched.cost.bias_for(size), sched.cost.bias, out.num_decode, out.prompt_chunks,
             )  # fmt: skip
         self._post(outputs, stats)
 

@@ -29,13 +29,13 @@ def true_step_time(batch: StepBatch) -> float:
 
 
 def bounded_scheduler(
-    max_stall_s: float | None, max_num_seqs: int = 8, ubatch: int = 0
+    max_stall_s: float | None, max_num_seqs: int = 8, ubatch: int = 0, tile: int = 0
 ) -> tuple[Scheduler, FakeEngine]:
     """A scheduler with a 2,048-token step and a 40,000-cell KV pool, and its fake engine."""
     sched = Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, kv_capacity=40000,
                         max_num_batched_tokens=2048, max_stall_s=max_stall_s,
-                        min_prefill_chunk=32, ubatch=ubatch)
+                        min_prefill_chunk=32, ubatch=ubatch, attention_tile=tile)
     )  # fmt: skip
     fake = FakeEngine()
     fake.n_batch = 2048
@@ -84,10 +84,11 @@ def run_scenario(
     max_stall_s: float | None,
     cost: Callable[[StepBatch], float] = true_step_time,
     ubatch: int = 0,
+    tile: int = 0,
 ) -> tuple[list[float], list[int], int]:
     """4 users decode while a 20,000-token prompt arrives; return the time of every step that
     carried a decoder, the prompt tokens of each step, and steps until the prompt's first token."""
-    sched, fake = bounded_scheduler(max_stall_s, ubatch=ubatch)
+    sched, fake = bounded_scheduler(max_stall_s, ubatch=ubatch, tile=tile)
     now = 0.0
     for i in range(4):
         sched.add(make_request(f"d{i}", [5 + i] * 16, 10_000, arrival=now))
@@ -250,11 +251,12 @@ def test_the_fit_separates_per_token_and_per_pass_costs() -> None:
 
 
 def kernel_switch_step_time(batch: StepBatch) -> float:
-    """A machine whose prompt tokens cost twice as much in steps of more than 64 tokens (a
-    different kernel path; on the 2-core CPU, a step of 4 decoders and a 124-token chunk
-    took 778 ms at 14K depth and one with 128 took 1,125: docs/benchmarks.md)."""
+    """A machine whose prompt tokens cost twice as much in steps of 64 tokens or more (a
+    different kernel path: ggml's CPU flash attention is tiled from 64 query rows; on the
+    2-core CPU at 14K depth, 4 decoders and a 59-token chunk took 605 ms, with 60 1,000:
+    docs/benchmarks.md)."""
     t = 0.05
-    slow = 2.0 if batch.num_tokens > 64 else 1.0
+    slow = 2.0 if batch.num_tokens >= 64 else 1.0
     for c in batch.chunks:
         n = len(c.tokens)
         if c.seq_id < 4:
@@ -355,3 +357,32 @@ def test_a_step_does_not_end_in_a_short_physical_batch() -> None:
     assert sum(t > 0.32 for t in times) <= 1
     blind, blind_tokens, blind_steps = run_scenario(0.32, per_physical_batch)
     assert any(short_tail(n) for n in blind_tokens[:blind_steps]) and max(blind) > 0.32
+
+
+def cpu_attention(batch: StepBatch) -> float:
+    """The 2-core CPU's attention: under 64 rows, per row; from 64 rows on, ggml's tiled
+    flash attention, 1.5x dearer per row and paid for whole tiles of 64 rows (a 65-row
+    step costs two tiles). Plus 50 ms, 2 ms per decode token, 4 ms per prompt token."""
+    rows, t, depth = batch.num_tokens, 0.05, 0
+    for c in batch.chunks:
+        n = len(c.tokens)
+        t += 0.002 * n if c.seq_id < 4 else 0.004 * n
+        depth = max(depth, c.pos0 + n)
+    attended = rows if rows < 64 else 1.5 * 64 * -(-rows // 64)
+    return t + attended * 4e-7 * depth
+
+
+def short_tile(n_prompt: int) -> bool:
+    total = 4 + n_prompt
+    return total > 64 and 0 < total % 64 < 16
+
+
+def test_a_cpu_step_does_not_end_in_a_short_attention_tile() -> None:
+    """Told the attention tile (64 rows, ggml's CPU flash attention), the planner never ends
+    a step a few rows into a tile it pays for in full, and stays within the target."""
+    times, prompt_tokens, steps = run_scenario(1.0, cpu_attention, tile=64)
+    assert steps > 0 and all(n >= 32 for n in prompt_tokens[:steps])
+    assert not any(short_tile(n) for n in prompt_tokens[: steps - 1])
+    assert max(times) <= 1.0, f"a step with decoders took {max(times):.3f}s"
+    _, blind_tokens, blind_steps = run_scenario(1.0, cpu_attention)
+    assert any(short_tile(n) for n in blind_tokens[:blind_steps])
