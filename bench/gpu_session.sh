@@ -4,6 +4,7 @@
 # it outlives one device call; each call copies RESULTS into $OUT.
 #   Usage: bench/gpu_session.sh WORKDIR RESULTS [STEP...]
 #   Steps: engine compare stall repro stall-cpumoe (default: all, in that order); also
+#   stall-cpumoe-ours (two more experts-in-RAM stalls, ours only),
 #   quick variants, hybrid (issue 6: planner under a VRAM budget vs --n-cpu-moe),
 #   hybrid-planned (the planned layout only, 3 repeats), compare-1r (every N, one repeat),
 #   hybrid-levers (the planned layout with all 16 threads, telemetry off, --no-mmap) and
@@ -44,6 +45,11 @@ for s in "${steps[@]}"; do
       --model "$MODEL" --concurrency 8 32 --isl 128 --osl 128 --waves 2 --lockstep-waves 2 \
       --repeats 1 ;;
     repro-quick) run repro python3 -m bench.repro --model "$MODEL" --trials 20 --duration 4 ;;
+    stall-cpumoe-ours)  # the experts-in-RAM stall, ours only, twice more
+      for i in 2 3; do
+        run "stall-cpumoe-$i" python3 -m bench.stall --gpu --model "$MODEL" --prompt-tokens 16384 \
+          --decoders 4 --cpu-moe --no-peer
+      done ;;
     stall-ours) run stall python3 -m bench.stall --gpu --model "$MODEL" --prompt-tokens 65000 \
       --decoders 4 --no-peer ;;
     repro) run repro python3 -m bench.repro --model "$MODEL" --trials 20 --duration 10 ;;
