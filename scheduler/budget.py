@@ -31,9 +31,12 @@ with the prompt's, and their sliding-window cells, scattered through the cache b
 of interleaved steps, make whole tiles compute. The engine alone (`bench/chunk_cost.py`,
 decoders' cells not scattered) shows a smaller jump of the same kind at 14K: 124 tokens
 778 ms, 128 tokens 1,124 ms. So the bias is also kept per size class of
-the step (its token count by powers of two, per physical batch: `size_class`), and a chunk
-is planned with the bias of the class it would put the step in: the planner finds the
-cheap classes by measuring them.
+the step (`size_class`: physical batches, attention tiles, powers of two), and a chunk is
+planned with the bias of the class it would put the step in: the planner finds the cheap
+classes by measuring them, and takes the chunk that prefills fastest per second of step
+among the largest of each class that fit. The fit learns each step's time less its
+class's difference from everyone's bias, so the classes' biases stay ratios to a model
+that the slow classes do not drag up.
 """
 
 from __future__ import annotations
