@@ -94,6 +94,12 @@ class Metrics:
             "for --max-stall-ms divided by it",
             registry=r,
         )
+        self.cost_headroom = Gauge(
+            "onegpu_cost_model_headroom",
+            "The share of --max-stall-ms a step is planned to: 0.85 at most, less on a "
+            "machine whose steps land far from their plan",
+            registry=r,
+        )
         self.step_seqs = Histogram(
             "onegpu_step_sequences", "Sequences sharing one step", buckets=_SEQS, registry=r
         )
@@ -207,6 +213,8 @@ class Metrics:
             self.cost_model.labels(term=term).set(v)
         if s.cost_bias is not None:
             self.cost_bias.set(s.cost_bias)
+        if s.cost_headroom is not None:
+            self.cost_headroom.set(s.cost_headroom)
         self.step_tokens.observe(s.num_step_tokens)
         self.step_seqs.observe(s.num_step_seqs)
         self.step_time.observe(s.step_s)

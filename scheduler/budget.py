@@ -189,6 +189,10 @@ class StepCostModel:
     # 1,000 ms target.)
     EXPLORE_STEPS = 3.0
     BIAS_RANGE = (0.5, 4.0)
+    # How far a planned step lands from its plan, |log(measured / planned)|, averaged over
+    # recent planned steps (weight of the newest): the budget keeps room for the machine's
+    # spread (StepTimeBudget.headroom). One step counts at most log(1.5).
+    SPREAD_GAIN = 0.05
 
     def __init__(self, ubatch: int = 0, tile: int = 0) -> None:
         self._dec = _Line()  # x = decode tokens, y = seconds
@@ -203,6 +207,7 @@ class StepCostModel:
         self.ubatch = ubatch  # llama.cpp's physical batch (0: not known)
         self.tile = tile  # query rows per attention tile (0: attention is not tiled)
         self._measured = 0  # steps that updated a class bias
+        self.spread = 0.05  # mean |log(measured / planned)| of planned steps (a prior)
         self._class_seen: dict[int, int] = {}  # class -> `_measured` when last updated
 
     _FULL = 1 << 16  # size_class: one full physical batch
@@ -327,6 +332,9 @@ class StepCostModel:
                     # class would look slow for as long as the fit remembers it. If it
                     # persists, the biases catch up and the fit learns it from then on.
                     normal = -1.0
+                if planned:
+                    miss = min(abs(math.log(ratio / class_bias)), math.log(self.BIAS_JUMP))
+                    self.spread += self.SPREAD_GAIN * (miss - self.spread)
                 c = self.size_class(n_decode + n_prompt)
                 # A class starts from everyone's bias: one step is too noisy to plan on
                 # alone (a first ratio of 0.7 let the next chunk run 9% over the target).
@@ -369,9 +377,9 @@ class StepTimeBudget:
     and second token, and none after.
     The first chunk granted gets at least `min_chunk` tokens, so prefill always progresses
     — also before the model has seen any prompt (it measures that chunk, then grows).
-    Chunks are sized to 85% of the target divided by the model's bias for the step's size
-    class: the step's own Python and jitter come on top of the engine time the model
-    predicts, and a chunk that would take the step into a class that runs slow is cut to
+    Chunks are sized to a share of the target (`headroom`) divided by the model's bias for
+    the step's size class: the step's own Python and jitter come on top of the engine time
+    the model predicts, and a chunk that would take the step into a class that runs slow is cut to
     the largest size of a cheaper class when that allows more tokens.
     A step of more than one `model.ubatch` (llama.cpp runs a batch as physical batches of
     that size) does not end in a short one: each physical batch pays a fixed cost whatever its
@@ -384,7 +392,17 @@ class StepTimeBudget:
     chunk took 747 ms, a 65-token one 1,014).
     """
 
+    # The share of the target a step is planned to: at most 85% (the step's Python and a
+    # steady machine's jitter), less on a machine whose steps land far from their plan —
+    # e^(-3 * spread), so that a step 3 spreads slower than planned still fits (the shared
+    # 2-core CPU: spread 0.09, p98 1.17x, single steps 1.3-1.6x; the H200: well under 0.05).
     HEADROOM = 0.85
+    SPREAD_K = 3.0
+    MIN_HEADROOM = 0.6
+
+    @classmethod
+    def headroom(cls, spread: float) -> float:
+        return max(cls.MIN_HEADROOM, min(cls.HEADROOM, math.exp(-cls.SPREAD_K * spread)))
 
     def __init__(
         self,
@@ -396,7 +414,7 @@ class StepTimeBudget:
     ) -> None:
         self.model = model
         self.bounded = max_stall_s is not None and n_decode > 0 and not burst
-        self.target = (max_stall_s or 0.0) * self.HEADROOM
+        self.target = (max_stall_s or 0.0) * self.headroom(model.spread)
         self.planned = model.decode_time(n_decode)  # modelled time of the step so far
         self.tokens = n_decode  # tokens in the step so far
         self.min_chunk = min_chunk

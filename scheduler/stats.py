@@ -45,3 +45,4 @@ class StepStats:
     finished: list[FinishedStats] = field(default_factory=list)
     cost_model: dict[str, float] = field(default_factory=dict)  # the scheduler's estimates
     cost_bias: float | None = None  # its measured / modelled time of recent planned steps
+    cost_headroom: float | None = None  # the share of the stall target steps are planned to
