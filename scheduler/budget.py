@@ -249,8 +249,18 @@ class StepCostModel:
         return self.size_class(first - 1) if first > 1 else -1
 
     def bias_for(self, n_tokens: int) -> float:
-        """The bias of steps of this size: their class's once measured, else everyone's."""
-        return self.class_bias.get(self.size_class(n_tokens), self.bias)
+        """The bias of steps of this size: their class's once measured, else everyone's —
+        or, for a step of more physical batches than any measured, the largest bias known
+        times BIAS_JUMP: each physical batch pays a fixed cost the fit cannot know before
+        it sees one (H200, experts in RAM: a first 512 + 137-row step ran 1.47x its plan),
+        so the first such step is a probe planned small."""
+        c = self.size_class(n_tokens)
+        known = self.class_bias.get(c)
+        if known is not None:
+            return known
+        if self.class_bias and c // self._FULL > max(self.class_bias) // self._FULL:
+            return max(self.bias, *self.class_bias.values()) * self.BIAS_JUMP
+        return self.bias
 
     def choice_bias(self, n_tokens: int) -> float:
         """The bias the planner compares classes with: a slow class's relaxes toward
