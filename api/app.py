@@ -72,6 +72,11 @@ def _state(
     if settings.max_model_len:
         max_len = min(max_len, settings.max_model_len)
     budget = min(settings.max_num_batched_tokens or model.n_batch, model.n_batch)
+    ubatch = min(settings.engine.n_ubatch, model.n_batch)  # what llama.cpp runs
+    tile = CPU_ATTENTION_TILE if model.attention_on_cpu else 0
+    if tile and ubatch % tile:
+        log.warning("--n-ubatch %d is not a multiple of %d: steps not sized by tile", ubatch, tile)
+        tile = 0
     scheduler = Scheduler(
         SchedulerConfig(
             max_num_seqs=model.n_seq_max,
@@ -80,8 +85,8 @@ def _state(
             max_waiting=settings.max_waiting,
             max_stall_s=None if settings.max_stall_ms is None else settings.max_stall_ms / 1000,
             min_prefill_chunk=settings.min_prefill_chunk,
-            ubatch=settings.engine.n_ubatch,
-            attention_tile=CPU_ATTENTION_TILE if model.attention_on_cpu else 0,
+            ubatch=ubatch,
+            attention_tile=tile,
         )
     )
     name = settings.served_model_name or Path(settings.engine.model_path).stem

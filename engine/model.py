@@ -154,7 +154,7 @@ class Model:
         the GPU (`n_gpu_layers` 0 or fewer than the model has)."""
         if self.cfg.n_gpu_layers == 0 or not self.ll.llama_supports_gpu_offload():
             return True
-        return 0 < self.cfg.n_gpu_layers <= self.n_layer
+        return 0 < self.cfg.n_gpu_layers < self.n_layer
 
     def _device_greedy(self) -> bool:
         if self.cfg.device_greedy is not None:

@@ -209,6 +209,7 @@ class StepCostModel:
         self._measured = 0  # steps that updated a class bias
         self.spread = 0.05  # mean |log(measured / planned)| of planned steps (a prior)
         self._class_seen: dict[int, int] = {}  # class -> `_measured` when last updated
+        self._top_full, self._top_bias = -1, 0.0  # see _note_classes
 
     _FULL = 1 << 16  # size_class: one full physical batch
 
@@ -258,9 +259,15 @@ class StepCostModel:
         known = self.class_bias.get(c)
         if known is not None:
             return known
-        if self.class_bias and c // self._FULL > max(self.class_bias) // self._FULL:
-            return max(self.bias, *self.class_bias.values()) * self.BIAS_JUMP
+        if self.class_bias and c // self._FULL > self._top_full:
+            return max(self.bias, self._top_bias) * self.BIAS_JUMP
         return self.bias
+
+    def _note_classes(self) -> None:
+        """Keep what `bias_for` asks of every class at hand (it is called per class per
+        planned chunk)."""
+        self._top_full = max(self.class_bias) // self._FULL if self.class_bias else -1
+        self._top_bias = max(self.class_bias.values(), default=0.0)
 
     def choice_bias(self, n_tokens: int) -> float:
         """The bias the planner compares classes with: a slow class's relaxes toward
@@ -324,13 +331,15 @@ class StepCostModel:
                 self.bias += self.BIAS_RELAX * (1.0 - self.bias)
                 for c, b in self.class_bias.items():
                     self.class_bias[c] = b + self.BIAS_RELAX * (1.0 - b)
+                self._note_classes()
             return
         # The fit learns the smooth cost: the step's time less what sets its size class
         # apart (its class's bias over everyone's, before this step moves them), so a slow
         # class does not pull every other class's model up, nor a fast one down — each
         # class's bias is a ratio to the fit and would go stale whenever the fit moved.
-        class_bias = self.bias_for(n_decode + n_prompt)
-        normal = seconds * self.bias / class_bias
+        class_bias = self.bias_for(n_decode + n_prompt)  # what the step was planned with
+        measured = self.class_bias.get(self.size_class(n_decode + n_prompt), self.bias)
+        normal = seconds * self.bias / measured
         if n_decode and self._dec.ready and self.knows_prompts:  # a step the budget planned
             modelled = self.step_time(n_decode, chunks)
             if modelled > 0:
@@ -351,6 +360,7 @@ class StepCostModel:
                 self.class_bias[c] = self._follow(self.class_bias.get(c, self.bias), ratio)
                 self._measured += 1
                 self._class_seen[c] = self._measured
+                self._note_classes()
                 if planned:
                     self.bias = self._follow(self.bias, ratio)
         self.max_seen_chunk = max(self.max_seen_chunk, n_prompt)
@@ -389,8 +399,8 @@ class StepTimeBudget:
     — also before the model has seen any prompt (it measures that chunk, then grows).
     Chunks are sized to a share of the target (`headroom`) divided by the model's bias for
     the step's size class: the step's own Python and jitter come on top of the engine time
-    the model predicts, and a chunk that would take the step into a class that runs slow is cut to
-    the largest size of a cheaper class when that allows more tokens.
+    the model predicts; of the classes a chunk may put the step in, the planner takes the
+    one that prefills fastest (`_fit`).
     A step of more than one `model.ubatch` (llama.cpp runs a batch as physical batches of
     that size) does not end in a short one: each physical batch pays a fixed cost whatever its
     size — with experts in host RAM, a copy of the experts to the GPU or, under 32 tokens,
@@ -407,6 +417,7 @@ class StepTimeBudget:
     # e^(-3 * spread), so that a step 3 spreads slower than planned still fits (the shared
     # 2-core CPU: spread 0.09, p98 1.17x, single steps 1.3-1.6x; the H200: well under 0.05).
     HEADROOM = 0.85
+    PROBE_GAIN = 1.25
     SPREAD_K = 3.0
     MIN_HEADROOM = 0.6
 
@@ -436,7 +447,7 @@ class StepTimeBudget:
             return n_max
         floor = 0 if self._granted else min(self.min_chunk, n_max)
         n = self._fit(n_max, depth) if self.model.knows_prompts else 0
-        n = max(self._without_short_tail(n), floor)
+        n = max(n, floor)
         if n:
             self._granted = True
             self.tokens += n
@@ -458,22 +469,33 @@ class StepTimeBudget:
         modelled and corrected by the bias of the size class it puts the step in — among
         the largest of each class that keep the step within the target. Not simply the
         largest: on the 2-core CPU at 12K depth a step of 63 rows took 530 ms and one of
-        64 (ggml's tiled attention) 800, for one token more."""
+        64 (ggml's tiled attention) 800, for one token more. A slow class, compared with
+        its bias relaxed (`choice_bias`), is probed only for a chunk PROBE_GAIN times the
+        best otherwise: each probe of that 64-row class for one token more risked a
+        1.5x step (750-1,150 ms at one size and depth)."""
         m = self.model
-        best, best_rate = 0, 0.0
+        best, best_rate, probe, probe_rate, probe_n = 0, 0.0, 0, 0.0, 0
         c, bottom = m.size_class(self.tokens + n_max), m.size_class(self.tokens + 1)
         while c >= bottom:
             first, last = m.class_range(c)
             lo = max(1, first - self.tokens)
             hi = min(n_max, last - self.tokens)
-            n = m.tokens_within(self.target / m.bias_for(self.tokens + hi) - self.planned,
-                                depth, hi)  # fmt: skip
+            bias = m.bias_for(self.tokens + hi)
+            # a total cut back to a batch or tile boundary is a lower class: left to its turn
+            n = self._without_short_tail(m.tokens_within(self.target / bias - self.planned,
+                                                         depth, hi))  # fmt: skip
             if n >= lo:
-                # compared as it may be (its chunk were its bias relaxed), sized as it is
                 b = m.choice_bias(self.tokens + hi)
-                n_may = max(n, m.tokens_within(self.target / b - self.planned, depth, hi))
-                rate = n_may / (b * (self.planned + m.chunk_time(n_may, depth)))
-                if rate > best_rate:
-                    best, best_rate = n, rate
+                if b < bias:  # compared as it may be, sized as it is
+                    n_may = max(n, m.tokens_within(self.target / b - self.planned, depth, hi))
+                    rate = n_may / max(b * (self.planned + m.chunk_time(n_may, depth)), 1e-12)
+                    if rate > probe_rate:
+                        probe, probe_rate, probe_n = n, rate, n_may
+                else:
+                    rate = n / max(bias * (self.planned + m.chunk_time(n, depth)), 1e-12)
+                    if rate > best_rate:
+                        best, best_rate = n, rate
             c = m.lower_class(c)
+        if probe_rate > best_rate and probe_n >= self.PROBE_GAIN * best:
+            return probe
         return best
