@@ -405,11 +405,11 @@ class Jitter:
 
 def test_a_jittery_machine_gets_more_headroom(monkeypatch: pytest.MonkeyPatch) -> None:
     """Steps that land 10% from their plan: planned to a fixed 85% of the target, 21 steps
-    of five prefills ran over; planned with room for the measured spread, 5."""
+    of five prefills ran over; planned with room for the measured spread, none."""
     over = sum(sum(t > 0.25 for t in run_scenario(0.25, Jitter(s))[0]) for s in range(5))
     monkeypatch.setattr(StepTimeBudget, "SPREAD_K", 0.0)  # a fixed 85%
     fixed = sum(sum(t > 0.25 for t in run_scenario(0.25, Jitter(s))[0]) for s in range(5))
-    assert over <= 5 and fixed > 2 * over, (over, fixed)
+    assert over <= 2 and fixed > 10, (over, fixed)
     # a steady machine keeps the full 85% (the linear test above: not timid)
     assert StepTimeBudget.headroom(StepCostModel().spread) == StepTimeBudget.HEADROOM
 
