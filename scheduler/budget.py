@@ -255,7 +255,10 @@ class StepCostModel:
         times BIAS_JUMP: each physical batch pays a fixed cost the fit cannot know before
         it sees one (H200, experts in RAM: a first 512 + 137-row step ran 1.47x its plan),
         so the first such step is a probe planned small."""
-        c = self.size_class(n_tokens)
+        return self.bias_of_class(self.size_class(n_tokens))
+
+    def bias_of_class(self, c: int) -> float:
+        """`bias_for` of the steps of size class `c`."""
         known = self.class_bias.get(c)
         if known is not None:
             return known
@@ -269,10 +272,9 @@ class StepCostModel:
         self._top_full = max(self.class_bias) // self._FULL if self.class_bias else -1
         self._top_bias = max(self.class_bias.values(), default=0.0)
 
-    def choice_bias(self, n_tokens: int) -> float:
-        """The bias the planner compares classes with: a slow class's relaxes toward
+    def choice_bias(self, c: int) -> float:
+        """The bias the planner compares size class `c` with: a slow class's relaxes toward
         everyone's the longer it goes unmeasured (see EXPLORE_STEPS)."""
-        c = self.size_class(n_tokens)
         b = self.class_bias.get(c, self.bias)
         if b <= self.bias:
             return b
@@ -337,9 +339,9 @@ class StepCostModel:
         # apart (its class's bias over everyone's, before this step moves them), so a slow
         # class does not pull every other class's model up, nor a fast one down — each
         # class's bias is a ratio to the fit and would go stale whenever the fit moved.
-        class_bias = self.bias_for(n_decode + n_prompt)  # what the step was planned with
-        measured = self.class_bias.get(self.size_class(n_decode + n_prompt), self.bias)
-        normal = seconds * self.bias / measured
+        c = self.size_class(n_decode + n_prompt)
+        class_bias = self.bias_of_class(c)  # what the step was planned with
+        normal = seconds * self.bias / self.class_bias.get(c, self.bias)
         if n_decode and self._dec.ready and self.knows_prompts:  # a step the budget planned
             modelled = self.step_time(n_decode, chunks)
             if modelled > 0:
@@ -354,7 +356,6 @@ class StepCostModel:
                 if planned:
                     miss = min(abs(math.log(ratio / class_bias)), math.log(self.BIAS_JUMP))
                     self.spread += self.SPREAD_GAIN * (miss - self.spread)
-                c = self.size_class(n_decode + n_prompt)
                 # A class starts from everyone's bias: one step is too noisy to plan on
                 # alone (a first ratio of 0.7 let the next chunk run 9% over the target).
                 self.class_bias[c] = self._follow(self.class_bias.get(c, self.bias), ratio)
@@ -482,12 +483,12 @@ class StepTimeBudget:
             first, last = m.class_range(c)
             lo = max(1, first - self.tokens)
             hi = min(n_max, last - self.tokens)
-            bias = m.bias_for(self.tokens + hi)
+            bias = m.bias_of_class(c)
             # a total cut back to a batch or tile boundary is a lower class: left to its turn
             n = self._without_short_tail(m.tokens_within(self.target / bias - self.planned,
                                                          depth, hi))  # fmt: skip
             if n >= lo:
-                b = m.choice_bias(self.tokens + hi)
+                b = m.choice_bias(c)
                 if b < bias:  # compared as it may be, sized as it is
                     n_may = max(n, m.tokens_within(self.target / b - self.planned, depth, hi))
                     rate = n_may / max(b * (self.planned + m.chunk_time(n_may, depth)), 1e-12)

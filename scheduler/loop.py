@@ -145,8 +145,9 @@ class EngineLoop:
         sched = lane.scheduler
         bounded = out.bounded and bool(out.prompt_chunks)
         modelled = sched.cost.step_time(out.num_decode, out.prompt_chunks) if bounded else 0.0
-        size = out.num_decode + sum(n for n, _ in out.prompt_chunks)
-        class_bias = sched.cost.bias_for(size)  # what the chunks were planned with
+        trace = bounded and log.isEnabledFor(logging.DEBUG)  # the cost model's, per step
+        size = out.num_decode + sum(n for n, _ in out.prompt_chunks) if trace else 0
+        class_bias = sched.cost.bias_for(size) if trace else 0.0  # what it was planned with
         p1 = time.perf_counter()
         result: StepResult | None
         try:
@@ -172,7 +173,7 @@ class EngineLoop:
         stats.step_s = schedule_s + p3 - p1
         if bounded and stats.step_s > (sched.cfg.max_stall_s or 0.0):
             self._log_over_target(stats.step_s, p2 - p1, modelled, out)
-        elif bounded and log.isEnabledFor(logging.DEBUG):  # the cost model's trace
+        elif trace:  # the cost model's trace
             log.debug(
                 "planned step: %.1f ms (engine %.1f ms, modelled %.1f ms, planned with bias "
                 "%.2f, now %.2f, all sizes %.2f; %d decode tokens, prompt chunks %s)",

@@ -339,11 +339,11 @@ def per_physical_batch(batch: StepBatch) -> float:
     return 0.1 * -(-tokens // 512) + 0.008 + 0.001 * (tokens - prompt) + 0.0003 * prompt
 
 
-def short_tail(n_prompt: int) -> bool:
-    """A step of 4 decoders and `n_prompt` prompt tokens ends in a physical batch of fewer
-    than 128 tokens after a full one."""
+def ends_short(n_prompt: int, q: int) -> bool:
+    """A step of 4 decoders and `n_prompt` prompt tokens ends, after a full physical batch
+    or tile of `q` rows, in one of fewer than q / 4."""
     total = 4 + n_prompt
-    return total > 512 and 0 < total % 512 < 128
+    return total > q and 0 < total % q < q // 4
 
 
 def test_a_step_does_not_end_in_a_short_physical_batch() -> None:
@@ -354,10 +354,10 @@ def test_a_step_does_not_end_in_a_short_physical_batch() -> None:
     for target in (0.32, 0.4):  # at 0.4 s the first two-batch step ran 0.414 s unprobed
         times, prompt_tokens, steps = run_scenario(target, per_physical_batch, ubatch=512)
         assert steps > 0 and all(n >= 32 for n in prompt_tokens[:steps])
-        assert not any(short_tail(n) for n in prompt_tokens[: steps - 1])
+        assert not any(ends_short(n, 512) for n in prompt_tokens[: steps - 1])
         assert max(times) <= target, f"a step with decoders took {max(times):.3f}s"
     blind, blind_tokens, blind_steps = run_scenario(0.32, per_physical_batch)
-    assert any(short_tail(n) for n in blind_tokens[:blind_steps]) and max(blind) > 0.32
+    assert any(ends_short(n, 512) for n in blind_tokens[:blind_steps]) and max(blind) > 0.32
 
 
 def cpu_attention(batch: StepBatch) -> float:
@@ -373,11 +373,6 @@ def cpu_attention(batch: StepBatch) -> float:
     return t + attended * 4e-7 * depth
 
 
-def short_tile(n_prompt: int) -> bool:
-    total = 4 + n_prompt
-    return total > 64 and 0 < total % 64 < 16
-
-
 def test_a_cpu_step_does_not_end_in_a_short_attention_tile() -> None:
     """Told the attention tile (64 rows, ggml's CPU flash attention), the planner never ends
     a step a few rows into a tile it pays for in full, and stays within the target — but
@@ -385,11 +380,11 @@ def test_a_cpu_step_does_not_end_in_a_short_attention_tile() -> None:
     depth than its bias says (a class's bias is one factor at every depth)."""
     times, prompt_tokens, steps = run_scenario(1.0, cpu_attention, tile=64)
     assert steps > 0 and all(n >= 32 for n in prompt_tokens[:steps])
-    assert not any(short_tile(n) for n in prompt_tokens[: steps - 1])
+    assert not any(ends_short(n, 64) for n in prompt_tokens[: steps - 1])
     assert max(times) <= 1.05, f"a step with decoders took {max(times):.3f}s"
     assert sum(t > 1.0 for t in times) <= 1
     _, blind_tokens, blind_steps = run_scenario(1.0, cpu_attention)
-    assert any(short_tile(n) for n in blind_tokens[:blind_steps])
+    assert any(ends_short(n, 64) for n in blind_tokens[:blind_steps])
 
 
 class Jitter:
