@@ -85,7 +85,8 @@ class Metrics:
             "onegpu_cost_model_seconds",
             "The scheduler's learned step-time model: decode_base_s + decode_per_token_s * D, "
             "per prompt token prompt_token_s + prompt_token_per_kv_cell_s * KV depth, and "
-            "per chunk prompt_chunk_per_kv_cell_s * the KV span it attends over",
+            "per chunk prompt_chunk_s + prompt_chunk_per_kv_cell_s * the KV span it attends "
+            "over",
             ["term"], registry=r,
         )  # fmt: skip
         self.cost_bias = Gauge(

@@ -45,10 +45,11 @@ for s in "${steps[@]}"; do
       --model "$MODEL" --concurrency 8 32 --isl 128 --osl 128 --waves 2 --lockstep-waves 2 \
       --repeats 1 ;;
     repro-quick) run repro python3 -m bench.repro --model "$MODEL" --trials 20 --duration 4 ;;
-    stall-cpumoe-ours)  # the experts-in-RAM stall, ours only, twice more
-      for i in 2 3; do
+    stall-cpumoe-ours)  # the experts-in-RAM stall, ours only, CPUMOE_REPEATS (2) times more,
+      # each step traced (--log-level debug; the server logs stay under /tmp/onegpu-stall-*)
+      for i in $(seq 2 $((1 + ${CPUMOE_REPEATS:-2}))); do
         run "stall-cpumoe-$i" python3 -m bench.stall --gpu --model "$MODEL" --prompt-tokens 16384 \
-          --decoders 4 --cpu-moe --no-peer
+          --decoders 4 --cpu-moe --no-peer --ours-args="--log-level debug"
       done ;;
     stall-ours) run stall python3 -m bench.stall --gpu --model "$MODEL" --prompt-tokens 65000 \
       --decoders 4 --no-peer ;;

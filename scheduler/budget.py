@@ -2,16 +2,19 @@
 
 A step's time is modelled as
 
-    t(D, P, d) = t_dec(D) + c0 * P + c1 * P * (d + P / 2) + g * (d + P)
+    t(D, P, d) = t_dec(D) + c0 * P + c1 * P * (d + P / 2) + g * (d + P) + h
 
 for D decode tokens and a P-token prompt chunk whose KV depth starts at d: attention makes
 each prompt token cost more the more context it attends to (c1), and a chunk also pays a
 cost that grows with the span it attends over but not with its size (g): kernels work in
-tiles, and a small chunk still makes whole passes over the KV. On the 2-core CPU, ggml's
+tiles, and a small chunk still makes whole passes over the KV; and a step pays a fixed
+cost for carrying a prompt at all (h): with the experts in host RAM, llama.cpp copies them to
+the GPU for any physical batch of 32 rows or more (H200: 4 decoders alone 84 ms, with 32
+prompt rows 185 ms, with 283 rows 193 ms). On the 2-core CPU, ggml's
 flash attention splits a step's rows into 8 pieces, each padded to a 64-row tile, so a
 65-token chunk at 11K depth cost what a 128-token one does — 1.5x what a model without `g`
 planned (bench/chunk_cost.py measures the shape on a machine). `t_dec` (a + b * D) is fitted
-on decode-only steps, (c0, c1, g) on steps that carried prompt chunks — by exponentially
+on decode-only steps, (c0, c1, g, h) on steps that carried prompt chunks — by exponentially
 weighted least squares with non-negative terms, so the model follows the machine as it
 warms up or gets busy. Until a term has data, the chunk falls back to the minimum
 (measured, then grown) rather than a guess.
@@ -90,9 +93,11 @@ class _NonNegativeFit:
     RIDGE = 1e-9  # relative, keeps near-collinear terms (similar chunks) solvable
     MORE_TERMS = 0.9  # a fit with more terms must have under 90% of the residual
 
-    def __init__(self, k: int, decay: float = 0.98) -> None:
+    def __init__(self, k: int, decay: float = 0.98, late: tuple[int, float] = (-1, 0.0)) -> None:
         self.k = k
         self.decay = decay
+        # (term, points): a term the fit may use only once it has that many (weighted) points
+        self.late_term, self.late_points = late
         self.n = 0.0
         self.xx = [[0.0] * k for _ in range(k)]
         self.xy = [0.0] * k
@@ -123,6 +128,8 @@ class _NonNegativeFit:
         tie = 1e-12 * max(self.yy, 1e-300)
         for size in range(1, self.k + 1):
             for subset in itertools.combinations(range(self.k), size):
+                if self.late_term in subset and self.n < self.late_points:
+                    continue
                 ks = _solve_normal(self.xx, self.xy, subset, self.RIDGE)
                 if ks is None or min(ks) < 0 or not all(map(math.isfinite, ks)):
                     continue
@@ -193,12 +200,15 @@ class StepCostModel:
     # recent planned steps (weight of the newest): the budget keeps room for the machine's
     # spread (StepTimeBudget.headroom). One step counts at most log(1.5).
     SPREAD_GAIN = 0.05
+    FIXED_COST_POINTS = 8.0
 
     def __init__(self, ubatch: int = 0, tile: int = 0) -> None:
         self._dec = _Line()  # x = decode tokens, y = seconds
         # y = a step's seconds beyond its decode part; x = (prompt tokens, token-cells
-        # attended, KV span of the chunks): the terms c0, c1 and g of the module doc
-        self._prompt = _NonNegativeFit(3)
+        # attended, KV span of the chunks, chunks): the terms c0, c1, g and h of the module
+        # doc. h only from FIXED_COST_POINTS points: from two noisy ones an intercept makes
+        # a chunk twice the size look cheap per token (a 10%-jitter fake then ran 1.08x).
+        self._prompt = _NonNegativeFit(4, late=(3, self.FIXED_COST_POINTS))
         self.max_seen_chunk = 0
         self.bias = 1.0  # measured / modelled time of recent planned steps
         self.class_bias: dict[int, float] = {}  # the same, per size class (see size_class)
@@ -301,14 +311,14 @@ class StepCostModel:
 
     def chunk_time(self, n: int, depth: int) -> float:
         """Modelled seconds for an n-token prompt chunk starting at KV depth `depth`."""
-        c0, c1, g = self._prompt.fit()
-        return n * (c0 + c1 * (depth + n / 2)) + g * (depth + n)
+        c0, c1, g, h = self._prompt.fit()
+        return n * (c0 + c1 * (depth + n / 2)) + g * (depth + n) + h
 
     def tokens_within(self, room_s: float, depth: int, cap: int) -> int:
         """Largest chunk from `depth` whose modelled time fits in `room_s` (at most `cap`,
         and at most twice the largest chunk measured: beyond that the model extrapolates)."""
-        c0, c1, g = self._prompt.fit()
-        room = room_s - g * depth
+        c0, c1, g, h = self._prompt.fit()
+        room = room_s - g * depth - h
         if room <= 0:
             return 0
         lin = c0 + c1 * depth + g  # c1/2 * n^2 + lin * n <= room
@@ -358,7 +368,15 @@ class StepCostModel:
                     self.spread += self.SPREAD_GAIN * (miss - self.spread)
                 # A class starts from everyone's bias: one step is too noisy to plan on
                 # alone (a first ratio of 0.7 let the next chunk run 9% over the target).
-                self.class_bias[c] = self._follow(self.class_bias.get(c, self.bias), ratio)
+                # A class marked slower than everyone (often by one unlucky step) that
+                # measures faster than its mark drops to what it measured at once, down to
+                # everyone's bias: a probe (`StepTimeBudget._fit`) that finds the class
+                # fine must not leave it barred for the many steps a 0.3 gain takes.
+                old = self.class_bias.get(c, self.bias)
+                new = self._follow(old, ratio)
+                if self.bias < old and ratio < old:
+                    new = min(new, max(ratio, self.bias))
+                self.class_bias[c] = new
                 self._measured += 1
                 self._class_seen[c] = self._measured
                 self._note_classes()
@@ -370,7 +388,7 @@ class StepCostModel:
         rest = max(normal - self.decode_time(n_decode), 0.0)
         cells = sum(n * (d + n / 2) for n, d in chunks)
         span = sum(d + n for n, d in chunks)
-        self._prompt.add((float(n_prompt), cells, float(span)), rest)
+        self._prompt.add((float(n_prompt), cells, float(span), float(len(chunks))), rest)
 
     def _follow(self, bias: float, ratio: float) -> float:
         if ratio > bias:
@@ -383,9 +401,9 @@ class StepCostModel:
         if self._dec.ready:
             out["decode_base_s"], out["decode_per_token_s"] = self._dec.fit()
         if self.knows_prompts:
-            c0, c1, g = self._prompt.fit()
+            c0, c1, g, h = self._prompt.fit()
             out["prompt_token_s"], out["prompt_token_per_kv_cell_s"] = c0, c1
-            out["prompt_chunk_per_kv_cell_s"] = g
+            out["prompt_chunk_per_kv_cell_s"], out["prompt_chunk_s"] = g, h
         return out
 
 
@@ -421,6 +439,8 @@ class StepTimeBudget:
     # 1.5x; at 3 spreads 1-2 steps a run went over, at 4 none; the H200: spread < 0.06).
     HEADROOM = 0.85
     PROBE_GAIN = 1.25
+    NOISE_SPREADS = 2.0
+    TAIL_EXTRA = 1.1
     SPREAD_K = 4.0
     MIN_HEADROOM = 0.6
 
@@ -438,25 +458,58 @@ class StepTimeBudget:
     ) -> None:
         self.model = model
         self.bounded = max_stall_s is not None and n_decode > 0 and not burst
-        self.target = (max_stall_s or 0.0) * self.headroom(model.spread)
+        room = self.headroom(model.spread)
+        self.target = (max_stall_s or 0.0) * room
+        # A probe of a class that may only look slow (`_fit`) spends half the room: it is
+        # planned 2 spreads under the target instead of 4.
+        self.probe_target = (max_stall_s or 0.0) * math.sqrt(room)
         self.planned = model.decode_time(n_decode)  # modelled time of the step so far
         self.tokens = n_decode  # tokens in the step so far
         self.min_chunk = min_chunk
         self._granted = False
 
-    def grant(self, n_max: int, depth: int) -> int:
-        """Tokens (at most `n_max`) a prompt at KV depth `depth` may prefill in this step."""
+    def grant(self, n_max: int, depth: int, rest: int | None = None) -> int:
+        """Tokens (at most `n_max`) a prompt at KV depth `depth`, with `rest` tokens still
+        to prefill, may prefill in this step."""
         if not self.bounded:
             return n_max
         floor = 0 if self._granted else min(self.min_chunk, n_max)
         n = self._fit(n_max, depth) if self.model.knows_prompts else 0
         n = max(n, floor)
+        if rest is not None:
+            n = self._no_short_rest(n, n_max, rest, depth)
         if n:
             self._granted = True
             self.tokens += n
             if self.model.knows_prompts:
                 self.planned += self.model.chunk_time(n, depth)
         return n
+
+    def _no_short_rest(self, n: int, n_max: int, rest: int, depth: int) -> int:
+        """`n`, unless it leaves the prompt a last chunk under `min_chunk`: then less, so
+        that `min_chunk` is left; or, where that is not possible (the rest is under two
+        minimum chunks), the whole rest if it fits the target or costs little more than
+        `n` (within TAIL_EXTRA). A short last chunk is a step of its own in a size class
+        seldom measured, and it can be the dearest: with the experts in host RAM a step
+        under 32 rows computes them on the CPU (H200: 4 decoders and an 18-token tail took
+        282 ms against 179 planned), while a whole rest of 32-63 tokens costs what 32 do.
+        On the CPU, where 64 rows start a dearer kernel, the whole rest is not taken."""
+        left = rest - n
+        if n == 0 or not 0 < left < self.min_chunk:
+            return n
+        cut = self._without_short_tail(rest - self.min_chunk)
+        if cut >= self.min_chunk:
+            return cut
+        if rest > n_max:
+            return n
+        m = self.model
+
+        def planned(k: int) -> float:
+            t = self.planned + m.chunk_time(k, depth)
+            return t * m.bias_of_class(m.size_class(self.tokens + k))
+
+        whole = planned(rest)
+        return rest if whole <= max(self.target, planned(n) * self.TAIL_EXTRA) else n
 
     def _without_short_tail(self, n: int) -> int:
         """`n`, less the tokens that would end the step in a short physical batch or
@@ -475,7 +528,13 @@ class StepTimeBudget:
         64 (ggml's tiled attention) 800, for one token more. A slow class, compared with
         its bias relaxed (`choice_bias`), is probed only for a chunk PROBE_GAIN times the
         best otherwise: each probe of that 64-row class for one token more risked a
-        1.5x step (750-1,150 ms at one size and depth)."""
+        1.5x step (750-1,150 ms at one size and depth). A probe is sized with the class's
+        own bias, within the target; or, when no chunk of the class fits that way but its
+        bias is within 2 spreads of everyone's (it may be slow only by noise), within
+        `probe_target`. Without that, one unlucky step barred a class for good: with the
+        experts in host RAM (H200, 16K prompt) a prefill went on in 32-row chunks at
+        ~185 ms a step where 250-row ones took ~190, and its first token came 7.9x later
+        than when the server was idle."""
         m = self.model
         best, best_rate, probe, probe_rate, probe_n = 0, 0.0, 0, 0.0, 0
         c, bottom = m.size_class(self.tokens + n_max), m.size_class(self.tokens + 1)
@@ -487,8 +546,12 @@ class StepTimeBudget:
             # a total cut back to a batch or tile boundary is a lower class: left to its turn
             n = self._without_short_tail(m.tokens_within(self.target / bias - self.planned,
                                                          depth, hi))  # fmt: skip
+            b = m.choice_bias(c)
+            if n < lo and b < bias <= m.bias * math.exp(self.NOISE_SPREADS * m.spread):
+                n = self._without_short_tail(
+                    m.tokens_within(self.probe_target / bias - self.planned, depth, hi)
+                )
             if n >= lo:
-                b = m.choice_bias(c)
                 if b < bias:  # compared as it may be, sized as it is
                     n_may = max(n, m.tokens_within(self.target / b - self.planned, depth, hi))
                     rate = n_may / max(b * (self.planned + m.chunk_time(n_may, depth)), 1e-12)

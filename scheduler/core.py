@@ -118,7 +118,11 @@ class Scheduler:
         for req in prefilling:
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = timer.grant(min(req.num_uncomputed, budget, self._chunk_cap()), req.num_computed)
+            n = timer.grant(
+                min(req.num_uncomputed, budget, self._chunk_cap()),
+                req.num_computed,
+                req.num_uncomputed,
+            )
             if n < 1:
                 break
             ok, n_pre = self._reserve(req, n, plan)
@@ -134,7 +138,11 @@ class Scheduler:
         can_admit = preempted == 0 and not self._kv_backoff
         while can_admit and self.waiting and budget > 0 and self.pool.num_free_seqs > 0:
             req = self.waiting[0]
-            n = timer.grant(min(req.num_uncomputed, budget, self._chunk_cap()), req.num_computed)
+            n = timer.grant(
+                min(req.num_uncomputed, budget, self._chunk_cap()),
+                req.num_computed,
+                req.num_uncomputed,
+            )
             if n < 1 or self.pool.free - n < self.cfg.kv_watermark or n > self.pool.free:
                 break
             self.waiting.popleft()
