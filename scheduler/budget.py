@@ -201,6 +201,11 @@ class StepCostModel:
     # spread (StepTimeBudget.headroom). One step counts at most log(1.5).
     SPREAD_GAIN = 0.05
     FIXED_COST_POINTS = 8.0
+    # The fit extrapolates to at most twice the largest chunk of recent steps (this share
+    # of the largest is forgotten per step): on a CPU-shaped fake, long runs of 59-token
+    # chunks taught a fit with a fixed term that 342 tokens cost what 59 do, and the
+    # all-time largest chunk (from shallow depth) let it grant them: 6.8 s at a 1 s target.
+    SEEN_DECAY = 0.9
 
     def __init__(self, ubatch: int = 0, tile: int = 0) -> None:
         self._dec = _Line()  # x = decode tokens, y = seconds
@@ -219,6 +224,7 @@ class StepCostModel:
         self._measured = 0  # steps that updated a class bias
         self.spread = 0.05  # mean |log(measured / planned)| of planned steps (a prior)
         self._class_seen: dict[int, int] = {}  # class -> `_measured` when last updated
+        self._class_depth: dict[int, int] = {}  # class -> KV depth it was last measured at
         self._top_full, self._top_bias = -1, 0.0  # see _note_classes
 
     _FULL = 1 << 16  # size_class: one full physical batch
@@ -290,6 +296,10 @@ class StepCostModel:
             return b
         age = self._measured - self._class_seen.get(c, self._measured)
         return self.bias + (b - self.bias) * math.exp(-age / self.EXPLORE_STEPS)
+
+    def measured_depth(self, c: int) -> int | None:
+        """The KV depth size class `c` was last measured at (None: never)."""
+        return self._class_depth.get(c)
 
     @property
     def knows_prompts(self) -> bool:
@@ -379,10 +389,11 @@ class StepCostModel:
                 self.class_bias[c] = new
                 self._measured += 1
                 self._class_seen[c] = self._measured
+                self._class_depth[c] = max(d for _, d in chunks)
                 self._note_classes()
                 if planned:
                     self.bias = self._follow(self.bias, ratio)
-        self.max_seen_chunk = max(self.max_seen_chunk, n_prompt)
+        self.max_seen_chunk = max(n_prompt, int(self.max_seen_chunk * self.SEEN_DECAY))
         if normal < 0:
             return
         rest = max(normal - self.decode_time(n_decode), 0.0)
@@ -440,6 +451,7 @@ class StepTimeBudget:
     HEADROOM = 0.85
     PROBE_GAIN = 1.25
     NOISE_SPREADS = 2.0
+    STALE_RISE = 1.25
     TAIL_EXTRA = 1.1
     SPREAD_K = 4.0
     MIN_HEADROOM = 0.6
@@ -534,7 +546,11 @@ class StepTimeBudget:
         `probe_target`. Without that, one unlucky step barred a class for good: with the
         experts in host RAM (H200, 16K prompt) a prefill went on in 32-row chunks at
         ~185 ms a step where 250-row ones took ~190, and its first token came 7.9x later
-        than when the server was idle."""
+        than when the server was idle. A class whose modelled step has grown by STALE_RISE
+        since it was last measured (the prefill went deeper) is planned with its bias x
+        BIAS_JUMP: on the CPU, ggml's tiled attention grows dearer with depth than the small
+        steps the fit follows, and a 2-tile class measured at 3K depth ran 1.4-2.4x its
+        plan when re-entered at 12-14K."""
         m = self.model
         best, best_rate, probe, probe_rate, probe_n = 0, 0.0, 0, 0.0, 0
         c, bottom = m.size_class(self.tokens + n_max), m.size_class(self.tokens + 1)
@@ -543,10 +559,16 @@ class StepTimeBudget:
             lo = max(1, first - self.tokens)
             hi = min(n_max, last - self.tokens)
             bias = m.bias_of_class(c)
+            seen = m.measured_depth(c)
+            stale = seen is not None and self.planned + m.chunk_time(lo, depth) > (
+                self.STALE_RISE * (self.planned + m.chunk_time(lo, seen))
+            )
+            if stale:  # planned as a class that ran slow once more, and not relaxed
+                bias *= m.BIAS_JUMP
             # a total cut back to a batch or tile boundary is a lower class: left to its turn
             n = self._without_short_tail(m.tokens_within(self.target / bias - self.planned,
                                                          depth, hi))  # fmt: skip
-            b = m.choice_bias(c)
+            b = bias if stale else m.choice_bias(c)
             if n < lo and b < bias <= m.bias * math.exp(self.NOISE_SPREADS * m.spread):
                 n = self._without_short_tail(
                     m.tokens_within(self.probe_target / bias - self.planned, depth, hi)
