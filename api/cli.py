@@ -151,7 +151,10 @@ def _plan(args: argparse.Namespace) -> int:
             "one-gpu plan: no GPU on this host; give --vram-budget SIZE to plan for one\n"
         )
         return 2
-    opts = PlanOptions(kv_tokens=args.ctx * args.parallel, n_ubatch=args.n_ubatch, **_margin(args))
+    opts = PlanOptions(
+        kv_tokens=args.ctx * args.parallel, n_ubatch=args.n_ubatch, n_outputs=2 * args.parallel,
+        **_margin(args),
+    )  # fmt: skip
     req = PlanRequest(vram_budget=args.vram_budget, ram_budget=args.ram_budget, options=opts)
     try:
         plan = plan_model(read_meta(args.model), req)
@@ -232,6 +235,7 @@ def _serve(args: argparse.Namespace) -> None:
         kv_tokens=engine.n_ctx + lanes.slots * lanes.ctx,
         n_ubatch=max(engine.n_ubatch, lanes.chunk) if lanes.slots else engine.n_ubatch,
         contexts=2 if lanes.slots else 1,
+        n_outputs=2 * max(engine.n_seq_max, lanes.slots),  # device greedy: two ids a sequence
         **_margin(args),
     )
     req = PlanRequest(vram_budget=args.vram_budget, ram_budget=args.ram_budget, options=opts)

@@ -54,8 +54,9 @@ def _plan_cpu_layers(model: Path, budget: str, kv_tokens: int) -> tuple[str, int
     from engine.plan import GiB, PlanOptions, expert_layer, format_plan, vram_for_expert_share
 
     meta = read_meta(model)
-    opts = PlanOptions(kv_tokens=kv_tokens)  # the server's: --repro-slots 0, n_ubatch 512
-    if budget == "half-experts":
+    # the server's: --repro-slots 0, n_ubatch 512, 32 sequences
+    opts = PlanOptions(kv_tokens=kv_tokens, n_outputs=64)  # device greedy: 2 x 32 ids
+    if budget == "half-experts":  # llama.cpp's buffers: logits for every row of a ubatch
         fixed = PlanOptions(kv_tokens=kv_tokens, vram_margin=GiB)
         budget = str(vram_for_expert_share(meta, fixed, 0.5))
     plan = plan_model(meta, PlanRequest(vram_budget=budget, options=opts))

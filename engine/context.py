@@ -56,6 +56,13 @@ class Context:
         cparams.n_batch = n_batch
         cparams.n_ubatch = min(n_ubatch, n_batch)
         cparams.n_seq_max = 2 * n_seq_max if device_greedy else n_seq_max
+        # A step outputs one row per sequence at most (its last token), and llama.cpp sizes
+        # the compute buffer's logits for n_outputs_max rows (default: n_batch). At 512-row
+        # ubatches and a 152K vocabulary that is 297 MiB of VRAM for 32 users' 19. llama.cpp
+        # asserts (aborts) that a batch's outputs, and its own n_seq_max, stay within it:
+        # the runner refuses a batch with more outputs than `n_outputs_max` first.
+        cparams.n_outputs_max = cparams.n_seq_max
+        self.n_outputs_max = cparams.n_seq_max
         cparams.n_threads, cparams.n_threads_batch = threads
         cparams.flash_attn_type = _FLASH[flash_attn]
         cparams.kv_unified = unified

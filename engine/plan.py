@@ -56,6 +56,9 @@ class PlanOptions(msgspec.Struct, frozen=True):
     kv_tokens: int = 16384  # KV cells over all sequences and contexts
     n_ubatch: int = 512
     contexts: int = 1  # llama contexts sharing the weights (each has compute buffers)
+    # Logit rows a context's step may ask for: the server's sequences (engine.context sets
+    # llama.cpp's n_outputs_max to them). 0: n_ubatch, llama.cpp's default sizing.
+    n_outputs: int = 0
     # The CUDA context, cuBLAS workspace and allocator slack: what a process uses beyond the
     # buffers modelled here. Measured on an H200 (CUDA 13, nvidia-smi, a 30B MoE): 244-311 MiB
     # over three layouts (all on the GPU, half the experts in RAM, all in RAM); 384 MiB keeps
@@ -154,10 +157,12 @@ def group_of(name: str) -> str:
     return "norms and other"
 
 
-def compute_bytes(meta: ModelMeta, n_ubatch: int) -> int:
-    """A generous estimate of one context's compute buffer: the f32 logits of a ubatch
-    (llama.cpp sizes them for every row) plus activations of a few dozen model widths."""
-    return n_ubatch * (meta.n_vocab + 64 * meta.n_embd) * 4
+def compute_bytes(meta: ModelMeta, n_ubatch: int, n_outputs: int = 0) -> int:
+    """A generous estimate of one context's compute buffer: the f32 logits of the rows
+    that may be output (llama.cpp sizes them for min(n_ubatch, n_outputs_max) rows: every
+    row by default) plus activations of a few dozen model widths for every row."""
+    rows = min(n_outputs, n_ubatch) if n_outputs > 0 else n_ubatch
+    return (rows * meta.n_vocab + n_ubatch * 64 * meta.n_embd) * 4
 
 
 def reserves(
@@ -165,7 +170,7 @@ def reserves(
 ) -> tuple[Reserve, Reserve]:
     """(VRAM, RAM) set aside before any weight is placed. The RAM margin shrinks to 5% of
     a small RAM budget: a GPU host with a few GiB free must still serve a small model."""
-    compute = compute_bytes(meta, opts.n_ubatch) * opts.contexts
+    compute = compute_bytes(meta, opts.n_ubatch, opts.n_outputs) * opts.contexts
     names = {t.name: t.nbytes for t in meta.tensors}
     copies = names.get("token_embd.weight", 0) if "output.weight" not in names else 0
     if experts_in_ram and opts.n_ubatch >= 32:

@@ -114,6 +114,11 @@ class Engine:
             seqs += [ids.get(c.seq_id, c.seq_id)] * k
             if c.sample:
                 want.append((c.seq_id, len(toks) - 1))
+        if len(want) > self.context.n_outputs_max:
+            raise InvalidBatch(
+                f"{len(want)} sampled chunks exceed the {self.context.n_outputs_max} outputs "
+                "a step may have (one per sequence)"
+            )
         self._tok[:n] = toks
         self._pos[:n] = pos
         self._seq[:n] = seqs

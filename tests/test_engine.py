@@ -255,6 +255,11 @@ def test_oversized_or_invalid_batch_raises_instead_of_aborting(open_engine: Open
         eng.step(
             StepBatch([SeqChunk(0, too_long[:20], 0, True), SeqChunk(1, too_long[:13], 0, True)])
         )
+    # More sampled chunks than the context has output rows (llama.cpp would abort the
+    # process): refused before it sees them.
+    with pytest.raises(InvalidBatch):
+        eng.step(StepBatch([SeqChunk(0, [5], i, True) for i in range(9)]))
+    assert eng.seq_pos_max(0) == -1
     # llama.cpp's own checks (return code -1): a seq id >= n_seq_max, a token outside the
     # vocabulary, positions that do not continue the sequence.
     with pytest.raises(InvalidBatch):

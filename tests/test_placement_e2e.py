@@ -27,9 +27,11 @@ from tests.tiny_gguf import Shape, write_qwen3moe
 pytestmark = pytest.mark.e2e
 
 SHAPE = Shape(n_layer=4)
-N_CTX, N_UBATCH = 1024, 128
+N_CTX, N_UBATCH, N_SEQ = 1024, 128, 4
+# `plan` for the server below: its N_CTX cells shared by N_SEQ sequences
+PLAN_CTX = ["--ctx", str(N_CTX // N_SEQ), "--parallel", str(N_SEQ)]
 EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
-COMMON = ["--n-ctx", str(N_CTX), "--n-ubatch", str(N_UBATCH), "--n-seq-max", "4",
+COMMON = ["--n-ctx", str(N_CTX), "--n-ubatch", str(N_UBATCH), "--n-seq-max", str(N_SEQ),
           "--threads", "2", "--repro-slots", "0"]  # fmt: skip
 
 
@@ -42,7 +44,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def budget(model: Path) -> int:
     """Room for the non-expert part, the server's reserves and 60% of the expert bytes:
     two layers' experts whole on the GPU, one tensor of a third."""
-    opts = PlanOptions(kv_tokens=N_CTX, n_ubatch=N_UBATCH)
+    opts = PlanOptions(kv_tokens=N_CTX, n_ubatch=N_UBATCH, n_outputs=2 * N_SEQ)
     return vram_for_expert_share(read_meta(model), opts, 0.6)
 
 
@@ -68,7 +70,7 @@ def planned(model: Path, budget: int, tmp_path_factory: pytest.TempPathFactory) 
 def _plan_json(model: Path, budget: int) -> dict:
     out = one_gpu(
         "plan", str(model), "--vram-budget", str(budget), "--ram-budget", "8GiB",
-        "--ctx", str(N_CTX), "--n-ubatch", str(N_UBATCH), "--json",
+        *PLAN_CTX, "--n-ubatch", str(N_UBATCH), "--json",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
@@ -88,7 +90,7 @@ def test_plan_cli_places_whole_layers_from_the_last_down_and_prints_a_table(
     }
     assert not any(n.startswith(("blk.2.", "blk.3.")) for n in experts_in_ram)
     assert ram - set(experts_in_ram) == {"token_embd.weight"}
-    table = one_gpu("plan", str(model), "--vram-budget", str(budget), "--ctx", str(N_CTX),
+    table = one_gpu("plan", str(model), "--vram-budget", str(budget), *PLAN_CTX,
                     "--n-ubatch", str(N_UBATCH))  # fmt: skip
     assert table.returncode == 0
     assert re.search(r"routed experts\s+12\s", table.stdout)
@@ -102,7 +104,7 @@ def test_a_larger_vram_margin_leaves_more_experts_in_ram(model: Path, budget: in
     def gpu_experts(*extra: str) -> set[str]:
         out = one_gpu(
             "plan", str(model), "--vram-budget", str(budget), "--ram-budget", "8GiB",
-            "--ctx", str(N_CTX), "--n-ubatch", str(N_UBATCH), "--json", *extra,
+            *PLAN_CTX, "--n-ubatch", str(N_UBATCH), "--json", *extra,
         )  # fmt: skip
         assert out.returncode == 0, out.stderr
         placed = json.loads(out.stdout)["tensors"]

@@ -237,6 +237,22 @@ def test_half_expert_budget_places_about_half_the_expert_bytes() -> None:
     assert 0.49 < share <= 0.5
 
 
+def test_asking_for_one_logit_row_per_sequence_frees_vram_for_experts() -> None:
+    """llama.cpp sizes a context's logits for every row of a ubatch unless told how many
+    rows a step outputs; the server outputs one per sequence. The reserve follows, and the
+    freed VRAM (here 480 rows of a 129K vocabulary: 237 MB) goes to expert tensors."""
+    meta = deepseek_like()
+    every_row = PlanOptions(kv_tokens=8192)
+    per_seq = PlanOptions(kv_tokens=8192, n_outputs=32)
+    vram = vram_for_expert_share(meta, every_row, 0.5)
+    a = make_plan(meta, Budgets(vram, 10**15), every_row)
+    b = make_plan(meta, Budgets(vram, 10**15), per_seq)
+    freed = (512 - 32) * meta.n_vocab * 4
+    assert a.vram_reserve.compute - b.vram_reserve.compute == freed
+    assert b.bytes_on("gpu") - a.bytes_on("gpu") > freed - max(t.nbytes for t in meta.tensors)
+    assert b.vram_used <= vram
+
+
 def test_a_saved_plan_round_trips_and_a_malformed_one_is_rejected() -> None:
     meta = deepseek_like()
     plan = make_plan(meta, Budgets(vram=96 * GB, ram=280 * GB), REFERENCE_OPTS)
