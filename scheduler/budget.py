@@ -201,11 +201,14 @@ class StepCostModel:
     # spread (StepTimeBudget.headroom). One step counts at most log(1.5).
     SPREAD_GAIN = 0.05
     FIXED_COST_POINTS = 8.0
-    # The fit extrapolates to at most twice the largest chunk of recent steps (this share
-    # of the largest is forgotten per step): on a CPU-shaped fake, long runs of 59-token
-    # chunks taught a fit with a fixed term that 342 tokens cost what 59 do, and the
-    # all-time largest chunk (from shallow depth) let it grant them: 6.8 s at a 1 s target.
-    SEEN_DECAY = 0.9
+    # The fit extrapolates to at most twice the largest chunk of recent steps (the largest
+    # loses 3% a step, half in ~23 steps; at 10% a step the cap fell so fast in a dip to
+    # small chunks that an experts-in-RAM fake with a small depth cost took 147 steps to
+    # the first token instead of 125, median of 20 seeds): on a CPU-shaped fake, long runs
+    # of 59-token chunks taught a fit with a fixed term that 342 tokens cost what 59 do,
+    # and the all-time largest chunk (from shallow depth) let it grant them: 6.8 s steps
+    # at a 1 s target.
+    SEEN_DECAY = 0.97
 
     def __init__(self, ubatch: int = 0, tile: int = 0) -> None:
         self._dec = _Line()  # x = decode tokens, y = seconds
