@@ -6,7 +6,8 @@
 #   Steps: engine compare stall repro stall-cpumoe (default: all, in that order); also
 #   stall-cpumoe-ours (two more experts-in-RAM stalls, ours only),
 #   quick variants, hybrid (issue 6: planner under a VRAM budget vs --n-cpu-moe),
-#   hybrid-planned (the planned layout only, 3 repeats), compare-1r (every N, one repeat),
+#   hybrid-planned (the planned layout only, 3 repeats), hybrid-threads (the planned layout,
+#   our server at HYBRID_THREADS threads), compare-1r (every N, one repeat),
 #   hybrid-levers (the planned layout with all 16 threads, telemetry off, --no-mmap) and
 #   tap-cost (router telemetry on/off, engine only), native (engine alone, greedy and
 #   typical, 1/8/32 sequences: the native decode-and-sample step). At the end every result file is
@@ -60,6 +61,12 @@ for s in "${steps[@]}"; do
       run hybrid-planned python3 -m bench.hybrid --model "$MODEL" --peer-bin "$PEER_BIN" \
         --vram-budget "${HYBRID_BUDGET:-half-experts}" --concurrency 1 4 8 --layouts planned \
         --repeats "${HYBRID_REPEATS:-3}" ;;
+    hybrid-threads)  # the planned layout with our server at HYBRID_THREADS (8 12) threads
+      for t in ${HYBRID_THREADS:-8 12}; do
+        run "hybrid-t$t" python3 -m bench.hybrid --model "$MODEL" --peer-bin "$PEER_BIN" \
+          --vram-budget half-experts --concurrency 1 4 8 --layouts planned --repeats 1 \
+          --ours-args="--threads $t"
+      done ;;
     compare-1r) run compare python3 -m bench.compare --gpu --peer-bin "$PEER_BIN" \
       --model "$MODEL" --concurrency 1 4 8 16 32 --isl 128 --osl 128 --waves 2 \
       --lockstep-waves 2 --repeats 1 ;;

@@ -304,6 +304,12 @@ class StepCostModel:
         """The KV depth size class `c` was last measured at (None: never)."""
         return self._class_depth.get(c)
 
+    def measured_steps_ago(self, c: int) -> int | None:
+        """Planned steps since size class `c` was last measured (1: the last one; None:
+        never)."""
+        seen = self._class_seen.get(c)
+        return None if seen is None else self._measured - seen + 1
+
     @property
     def knows_prompts(self) -> bool:
         return self._prompt.ready
@@ -455,6 +461,8 @@ class StepTimeBudget:
     PROBE_GAIN = 1.25
     NOISE_SPREADS = 2.0
     STALE_RISE = 1.25
+    STALE_DEPTH = 0.05
+    STALE_TILES = 8
     TAIL_EXTRA = 1.1
     SPREAD_K = 4.0
     MIN_HEADROOM = 0.6
@@ -535,6 +543,27 @@ class StepTimeBudget:
                 n -= min(total % q, n)
         return n
 
+    def _tiles_gone_deeper(self, c: int, first: int, depth: int) -> bool:
+        """Whether size class `c` (steps of `first` tokens and more) runs attention in CPU
+        tiles and is re-entered deeper than it was measured: measured before, but not by
+        the last step, and since then the prefill went STALE_DEPTH of its depth and
+        STALE_TILES tiles' rows deeper. Such a class is planned as one that ran slow once
+        more. On the 2-core CPU the tiled path's cost grows with depth faster than the
+        small steps' that the fit follows, and in four runs out of seven the one step over
+        a 1,000 ms target was a return to a tiled class after a run of sub-tile chunks:
+        a 64-row step measured at 7.0K depth (583 ms) took 1,033 ms at 9.0K, a 2-tile one
+        measured at 7.9K took 1,045 ms at 9.0K (planned 690), and 64-row steps took 1,140
+        and 1,285 ms at 14.6K and 12.7K. A class in steady use is measured every step and
+        keeps its own bias."""
+        m = self.model
+        if not m.tile or first < m.tile or depth <= 0:
+            return False
+        ago = m.measured_steps_ago(c)
+        if ago is None or ago == 1:
+            return False
+        seen = m.measured_depth(c) or 0
+        return depth - seen > max(self.STALE_DEPTH * depth, self.STALE_TILES * m.tile)
+
     def _fit(self, n_max: int, depth: int) -> int:
         """The chunk that prefills fastest — most prompt tokens per second of step, as
         modelled and corrected by the bias of the size class it puts the step in — among
@@ -566,6 +595,7 @@ class StepTimeBudget:
             stale = seen is not None and self.planned + m.chunk_time(lo, depth) > (
                 self.STALE_RISE * (self.planned + m.chunk_time(lo, seen))
             )
+            stale = stale or self._tiles_gone_deeper(c, first, depth)
             if stale:  # planned as a class that ran slow once more, and not relaxed
                 bias *= m.BIAS_JUMP
             # a total cut back to a batch or tile boundary is a lower class: left to its turn

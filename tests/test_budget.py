@@ -547,11 +547,17 @@ def test_a_class_measured_much_shallower_is_not_trusted_deeper() -> None:
     and long runs of small chunks teach a fit with a fixed term that a chunk six times
     larger costs about the same. Before: up to 6.8, 14.5 and 33.8 s steps at a 1 s
     target (chunks of 342, 684 and 1,368 tokens, each twice the last), and without the
-    fixed term 7 steps over, the worst 1.65 s. Now at most a few steps over, by < 1.45x."""
-    over, worst = 0, 0.0
+    fixed term 7 steps over, the worst 1.65 s; then, with those fixed but a tiled class
+    re-entered after a run of small chunks at its old bias, 3 over, the worst 1.38 s (first
+    token after 321 steps at the median). Now a tiled class re-entered 8 tiles' rows and 5%
+    deeper than it was measured is planned as one that ran slow: none over, for ~4% more
+    steps to the first token."""
+    over, worst, steps = 0, 0.0, []
     for seed in range(8):
         times, prompt_tokens, n = run_scenario(1.0, DeepTilesCpu(seed), tile=64)
         assert n > 0 and all(t >= 32 for t in prompt_tokens[:n])
         over += sum(t > 1.0 for t in times)
         worst = max(worst, max(times))
-    assert over <= 4 and worst <= 1.45, (over, worst)
+        steps.append(n)
+    assert over <= 1 and worst <= 1.1, (over, worst)
+    assert sorted(steps)[len(steps) // 2] <= 350, steps
