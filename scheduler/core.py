@@ -263,7 +263,7 @@ class Scheduler:
             num_step_prompt_tokens=sum(n for n, _ in out.prompt_chunks),
             cost_model=self.cost.estimate(),
             cost_bias=self.cost.bias,
-            cost_headroom=StepTimeBudget.headroom(self.cost.spread),
+            cost_headroom=StepTimeBudget.headroom(self.cost),
             num_step_seqs=len(out.batch.chunks),
             num_preempted=out.num_preempted,
             fill_s=result.fill_s,
