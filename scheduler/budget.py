@@ -468,6 +468,7 @@ class StepTimeBudget:
     STALE_DEPTH = 0.05
     STALE_TILES = 8
     TAIL_EXTRA = 1.1
+    FLOOR_SLACK = 1.15
     SPREAD_K = 4.0
     MIN_HEADROOM = 0.6
 
@@ -496,7 +497,8 @@ class StepTimeBudget:
         self.model = model
         self.bounded = max_stall_s is not None and n_decode > 0 and not burst
         room = self.headroom(model)
-        self.target = (max_stall_s or 0.0) * room
+        self.max_stall = max_stall_s or 0.0
+        self.target = self.max_stall * room
         # A probe of a class that may only look slow (`_fit`) spends half the room: it is
         # planned 2 spreads under the target instead of 4.
         self.probe_target = (max_stall_s or 0.0) * math.sqrt(room)
@@ -511,6 +513,8 @@ class StepTimeBudget:
         if not self.bounded:
             return n_max
         floor = 0 if self._granted else min(self.min_chunk, n_max)
+        if floor and self.model.knows_prompts:
+            self._over_the_floor(floor, depth)
         n = self._fit(n_max, depth) if self.model.knows_prompts else 0
         n = max(n, floor)
         if rest is not None:
@@ -521,6 +525,30 @@ class StepTimeBudget:
             if self.model.knows_prompts:
                 self.planned += self.model.chunk_time(n, depth)
         return n
+
+    def _over_the_floor(self, floor: int, depth: int) -> None:
+        """Where the step's floor — its decoders and the minimum chunk, as planned — is
+        already over the planned share of the target, plan to the target itself (at most
+        FLOOR_SLACK over the floor) instead. The share keeps room for a step landing slow,
+        but a step with any prompt in it lands there anyway: with the experts in host RAM
+        the step is mostly a fixed cost (the experts' copy to the GPU, from 32 rows on). On
+        a slower H200 host (4 decoders alone ~110 ms, with 32 prompt rows ~225) the plan
+        at 85% of 250 ms fitted no more than the minimum: the prefill went on in 32-row
+        steps, 56-76 of them over the target from the floor's own spread, and its first
+        token came 14-15x later than on an idle server. Chunks planned to the target take
+        several times the rows for a few percent more step, so the prefill is as many times
+        shorter and has as many fewer steps that can land over. Not on the CPU alone
+        (`model.tile`): there rows are dear and a step's tail is a 1.3x spike of the whole
+        step, which the share is kept for."""
+        m = self.model
+        if m.tile:
+            return
+        at_floor = (self.planned + m.chunk_time(floor, depth)) * self._class_bias(
+            m.size_class(self.tokens + floor), depth
+        )[0]
+        if self.target < at_floor <= self.max_stall:
+            self.target = min(self.max_stall, at_floor * self.FLOOR_SLACK)
+        self.probe_target = max(self.probe_target, self.target)
 
     def _no_short_rest(self, n: int, n_max: int, rest: int, depth: int) -> int:
         """`n`, unless it leaves the prompt a last chunk under `min_chunk`: then less, so
@@ -541,9 +569,9 @@ class StepTimeBudget:
             return n
         m = self.model
 
-        def planned(k: int) -> float:
+        def planned(k: int) -> float:  # with the bias `_fit` would plan that size with
             t = self.planned + m.chunk_time(k, depth)
-            return t * m.bias_of_class(m.size_class(self.tokens + k))
+            return t * self._class_bias(m.size_class(self.tokens + k), depth)[0]
 
         whole = planned(rest)
         return rest if whole <= max(self.target, planned(n) * self.TAIL_EXTRA) else n
@@ -556,6 +584,22 @@ class StepTimeBudget:
             if q and total > q and total % q < q // 4:
                 n -= min(total % q, n)
         return n
+
+    def _class_bias(self, c: int, depth: int) -> tuple[float, bool]:
+        """The bias a chunk that puts the step in size class `c` is planned with, and
+        whether the class is stale: one whose modelled step (at its smallest size) grew by
+        STALE_RISE since it was last measured, or a CPU tile class re-entered deeper
+        (`_tiles_gone_deeper`), is planned as one that ran slow once more (x BIAS_JUMP)."""
+        m = self.model
+        first, _ = m.class_range(c)
+        lo = max(1, first - self.tokens)
+        bias = m.bias_of_class(c)
+        seen = m.measured_depth(c)
+        stale = seen is not None and self.planned + m.chunk_time(lo, depth) > (
+            self.STALE_RISE * (self.planned + m.chunk_time(lo, seen))
+        )
+        stale = stale or self._tiles_gone_deeper(c, first, depth)
+        return (bias * m.BIAS_JUMP if stale else bias), stale
 
     def _tiles_gone_deeper(self, c: int, first: int, depth: int) -> bool:
         """Whether size class `c` (steps of `first` tokens and more) runs attention in CPU
@@ -604,14 +648,7 @@ class StepTimeBudget:
             first, last = m.class_range(c)
             lo = max(1, first - self.tokens)
             hi = min(n_max, last - self.tokens)
-            bias = m.bias_of_class(c)
-            seen = m.measured_depth(c)
-            stale = seen is not None and self.planned + m.chunk_time(lo, depth) > (
-                self.STALE_RISE * (self.planned + m.chunk_time(lo, seen))
-            )
-            stale = stale or self._tiles_gone_deeper(c, first, depth)
-            if stale:  # planned as a class that ran slow once more, and not relaxed
-                bias *= m.BIAS_JUMP
+            bias, stale = self._class_bias(c, depth)
             # a total cut back to a batch or tile boundary is a lower class: left to its turn
             n = self._without_short_tail(m.tokens_within(self.target / bias - self.planned,
                                                          depth, hi))  # fmt: skip
