@@ -604,20 +604,22 @@ def test_a_class_measured_much_shallower_is_not_trusted_deeper() -> None:
 
 class SpikyCpu:
     """`cpu_attention` on a shared machine: steady (2% jitter), but one step in 50 takes
-    1.25x — a ggml thread preempted by another process holds every other one at the next
-    barrier. Seeded."""
+    1.34x (the largest of the CPU runs' misses) — a ggml thread preempted by another
+    process holds every other one at the next barrier. Seeded."""
 
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
 
     def __call__(self, batch: StepBatch) -> float:
-        spike = 1.25 if self.rng.random() < 0.02 else 1.0
+        spike = 1.34 if self.rng.random() < 0.02 else 1.0
         return cpu_attention(batch) * spike * math.exp(self.rng.gauss(0.0, 0.02))
 
 
 def test_a_cpu_only_machine_keeps_room_for_its_spikes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A steady CPU's spread falls low enough for the 85% cap, and then a rare 1.25x step
-    goes over; where attention runs in CPU tiles the cap is lower and none does."""
+    """A steady CPU's spread falls low enough for the 85% cap, and then a rare 1.34x step
+    goes over (at a 78% cap as well, and at 72% one did: a spike on a class whose model
+    was a few percent short); where attention runs in CPU tiles the cap is 70% and none
+    does."""
     steady = StepCostModel(tile=64)
     steady.spread = 0.001
     assert StepTimeBudget.headroom(steady) == StepTimeBudget.CPU_HEADROOM < 0.8
