@@ -503,7 +503,7 @@ class StepTimeBudget:
         self.target = self.max_stall * room
         # A probe of a class that may only look slow (`_fit`) spends half the room: it is
         # planned 2 spreads under the target instead of 4.
-        self.probe_target = (max_stall_s or 0.0) * math.sqrt(room)
+        self.probe_target = self.max_stall * math.sqrt(room)
         self.planned = model.decode_time(n_decode)  # modelled time of the step so far
         self.tokens = n_decode  # tokens in the step so far
         self.min_chunk = min_chunk
@@ -515,9 +515,11 @@ class StepTimeBudget:
         if not self.bounded:
             return n_max
         floor = 0 if self._granted else min(self.min_chunk, n_max)
-        if floor and self.model.knows_prompts:
-            self._over_the_floor(floor, depth)
-        n = self._fit(n_max, depth) if self.model.knows_prompts else 0
+        n = 0
+        if self.model.knows_prompts:
+            if floor:
+                self._over_the_floor(floor, depth)
+            n = self._fit(n_max, depth)
         n = max(n, floor)
         if rest is not None:
             n = self._no_short_rest(n, n_max, rest, depth)
@@ -550,7 +552,7 @@ class StepTimeBudget:
         )[0]
         if self.target < at_floor <= self.max_stall:
             self.target = min(self.max_stall, at_floor * self.FLOOR_SLACK)
-        self.probe_target = max(self.probe_target, self.target)
+            self.probe_target = max(self.probe_target, self.target)
 
     def _no_short_rest(self, n: int, n_max: int, rest: int, depth: int) -> int:
         """`n`, unless it leaves the prompt a last chunk under `min_chunk`: then less, so
