@@ -3,6 +3,7 @@
 #   make test    install (first time) and run the whole test suite
 #   make check   ruff format --check, ruff check, mypy
 #   make bench   this server vs llama-server and llama-batched-bench (bench/compare.py)
+#   make fuzz    schemathesis against a live server, from its OpenAPI document (bench/fuzz_api.py)
 # GPU=cuda forces a CUDA build of llama.cpp; otherwise CUDA is used when `nvidia-smi -L` finds a GPU.
 
 SHELL := /bin/bash
@@ -31,7 +32,7 @@ TAP := engine/native/libexpert_tap.so
 STEP := engine/native/libdecode_sample.so
 NATIVE := $(TAP) $(STEP)
 
-.PHONY: install serve test check bench bench-stall bench-repro model clean
+.PHONY: install serve test check bench bench-stall bench-repro fuzz model clean
 
 install: $(STAMP) $(NATIVE)
 
@@ -72,6 +73,9 @@ bench-stall: $(STAMP) $(NATIVE) model
 
 bench-repro: $(STAMP) $(NATIVE) model
 	$(PY) -m bench.repro $(BENCH_ARGS)
+
+fuzz: $(STAMP) $(NATIVE) model
+	$(PY) -m bench.fuzz_api $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) $(NATIVE) .mypy_cache .ruff_cache .pytest_cache

@@ -3,7 +3,6 @@ loads the model, starts the engine loop and drains it on shutdown."""
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -16,13 +15,12 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
 
+from api.auth import BearerAuth, KeySet
 from api.errors import (
     APIError,
     MethodNotAllowed,
     RouteNotFound,
-    Unauthorized,
     error_response,
     handle_api_error,
 )
@@ -31,6 +29,7 @@ from api.experts import experts as experts_route
 from api.lanes import FAST, REPRODUCIBLE, fingerprints
 from api.metrics import CONTENT_TYPE, Metrics
 from api.openai_routes import chat_completions, completions, list_models
+from api.openapi import openapi_json
 from api.planning import Placement, describe
 from api.state import ServerSettings, ServerState, server_state
 from engine.chat_template import ChatTemplate
@@ -130,6 +129,8 @@ def _state(
         repro_max_len=repro_len,
         fingerprints=fingerprints(settings.engine, lanes),
         created=int(time.time()),
+        longest_token_bytes=model.longest_token_bytes(),
+        prompt_workers=anyio.CapacityLimiter(settings.limits.prompt_workers),
         aliases=frozenset({name, Path(settings.engine.model_path).name}),
         experts=experts,
     )
@@ -149,7 +150,9 @@ async def metrics(request: Request) -> Response:
 async def _http_error(_request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 405:
-        return error_response(MethodNotAllowed("method not allowed"))
+        resp = error_response(MethodNotAllowed("method not allowed"))
+        resp.headers.update(exc.headers or {})  # Allow: the methods the route takes
+        return resp
     if exc.status_code == 404:
         return error_response(RouteNotFound("no such route"))
     return error_response(APIError(str(exc.detail)))
@@ -158,23 +161,6 @@ async def _http_error(_request: Request, exc: Exception) -> Response:
 async def _unexpected(_request: Request, exc: Exception) -> Response:
     log.exception("unhandled error", exc_info=exc)
     return error_response(APIError("internal server error"))
-
-
-class BearerAuth:
-    """`Authorization: Bearer KEY` on /v1 routes, compared in constant time."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.key = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            got = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(got, self.key):
-                resp = error_response(Unauthorized("invalid or missing API key"))
-                await resp(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def build_app(settings: ServerSettings) -> Starlette:
@@ -201,6 +187,7 @@ def build_app(settings: ServerSettings) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/experts", experts_route, methods=["GET"]),
+        Route("/openapi.json", openapi_json, methods=["GET"]),
     ]
     app = Starlette(
         routes=routes,
@@ -211,6 +198,7 @@ def build_app(settings: ServerSettings) -> Starlette:
             Exception: _unexpected,
         },
     )
-    if settings.api_key:
-        app.add_middleware(BearerAuth, api_key=settings.api_key)
+    keys = KeySet(settings.api_keys)
+    if keys:
+        app.add_middleware(BearerAuth, keys=keys, protect_metrics=settings.protect_metrics)
     return app

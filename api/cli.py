@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -79,8 +78,29 @@ def _parser() -> argparse.ArgumentParser:
                    help="prompt tokens per step in the reproducible lane (fixed)")  # fmt: skip
     s.add_argument("--max-waiting", type=int, default=256, help="queue bound before 429")
     s.add_argument("--chat-template", type=Path, help="jinja2 chat template file")
-    s.add_argument("--api-key", default=os.environ.get("ONEGPU_API_KEY"))
+    s.add_argument(
+        "--api-key", action="append", default=[],
+        help="require `Authorization: Bearer KEY` on /v1 (repeatable; visible in ps: prefer "
+        "--api-key-file or $ONEGPU_API_KEY, comma-separated)",
+    )  # fmt: skip
+    s.add_argument("--api-key-file", type=Path, action="append", default=[],
+                   help="file with one API key a line (repeatable)")  # fmt: skip
+    s.add_argument("--protect-metrics", action="store_true",
+                   help="/metrics and /experts need an API key too")  # fmt: skip
     s.add_argument("--drain-seconds", type=float, default=30.0, help="SIGTERM drain bound")
+    s.add_argument("--max-request-bytes", type=_size, default=4 * 2**20, metavar="SIZE",
+                   help="largest request body (413 above it; default 4MiB)")  # fmt: skip
+    s.add_argument("--body-timeout", type=float, default=60.0,
+                   help="seconds a request body may take to arrive (408)")  # fmt: skip
+    s.add_argument("--max-messages", type=int, default=4096, help="messages per chat request")
+    s.add_argument(
+        "--max-connections", type=int, default=1024,
+        help="open connections (the longest idle makes way; 503 when all are busy)",
+    )  # fmt: skip
+    s.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a request's headers may take to arrive (408)")  # fmt: skip
+    s.add_argument("--keep-alive-timeout", type=float, default=15.0,
+                   help="seconds an idle keep-alive connection is kept")  # fmt: skip
     s.add_argument("--log-level", default="info")
 
     pl = sub.add_parser("plan", help="decide which tensors live on the GPU and which in RAM")
@@ -191,14 +211,15 @@ def _experts(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    import uvicorn
-
     # The engine thread must get the GIL back at once when llama_decode returns; by default
     # a busy event loop (streaming to many clients) could hold it for up to 5 ms.
     sys.setswitchinterval(0.0005)
 
     from api.app import build_app
+    from api.auth import load_keys
     from api.lanes import LaneOptions
+    from api.limits import ConnectionLimits, RequestLimits
+    from api.serve import serve
     from api.state import ServerSettings
 
     model_path = args.model
@@ -255,18 +276,23 @@ def _serve(args: argparse.Namespace) -> None:
         max_model_len=args.max_model_len,
         max_stall_ms=args.max_stall_ms or None,
         min_prefill_chunk=args.min_prefill_chunk,
-        api_key=args.api_key,
+        api_keys=load_keys(args.api_key, args.api_key_file),
+        protect_metrics=args.protect_metrics,
+        limits=RequestLimits(
+            max_bytes=args.max_request_bytes,
+            body_timeout_s=args.body_timeout,
+            max_messages=args.max_messages,
+        ),
+        connections=ConnectionLimits(
+            max_connections=args.max_connections,
+            header_timeout_s=args.header_timeout,
+            keep_alive_s=args.keep_alive_timeout,
+        ),
         drain_s=args.drain_seconds,
         lanes=lanes,
         plan=plan,
     )
-    uvicorn.run(
-        build_app(settings),
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=int(args.drain_seconds),
-    )
+    serve(build_app(settings), settings, args.host, args.port, args.log_level)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ status and body (`{"error": {"message", "type", "param", "code"}}`), never by me
 
 from __future__ import annotations
 
+import logging
 import re
 
 import msgspec
@@ -13,6 +14,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from api.schemas import ENCODER, ErrorBody, ErrorDetail
+
+log = logging.getLogger(__name__)
 
 
 class APIError(Exception):
@@ -46,6 +49,39 @@ class NotReproducible(InvalidRequest):
     """The request asks the reproducible lane for something it cannot make reproducible."""
 
     code = "not_reproducible"
+
+
+class Unsupported(InvalidRequest):
+    """A field that would change the output and that this server does not implement yet:
+    refused, never silently ignored."""
+
+    code = "unsupported_parameter"
+
+
+class PayloadTooLarge(APIError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class RequestTimeout(APIError):
+    """The body did not arrive in time; the rest of it is unread, so the connection ends."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+    def headers(self) -> dict[str, str]:
+        return {"Connection": "close"}
+
+
+class ClientGone(APIError):
+    """The client left before its request was read: nobody to answer, nothing to log but
+    a line."""
+
+    status = 499
+    type = "invalid_request_error"
+    code = "client_closed_request"
 
 
 class ModelNotFound(APIError):
@@ -124,6 +160,9 @@ def error_response(err: APIError) -> Response:
     )
 
 
-async def handle_api_error(_request: Request, exc: Exception) -> Response:
+async def handle_api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
+    if isinstance(exc, ClientGone):
+        client = request.client
+        log.info("%s: %s", f"{client.host}:{client.port}" if client else "client", exc.message)
     return error_response(exc)

@@ -18,6 +18,7 @@ from api.state import ServerState
 from engine.detok import IncrementalDetokenizer
 from engine.step_types import Sampled, SamplingParams
 from scheduler.core import QueueFull
+from scheduler.request import SHUTDOWN as SHUTDOWN
 from scheduler.request import Request, RequestOutput
 from scheduler.stops import StopMatcher
 
@@ -50,6 +51,25 @@ def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     if len(stops) > 16:
         raise InvalidRequest("at most 16 stop strings", param="stop")
     return stops
+
+
+def check_group(
+    state: ServerState, client: str, n_sequences: int, lane: str, param: str = "n"
+) -> None:
+    """Before any work: a request whose prompts × choices exceed what one client may ever
+    queue is a 400 (retrying could never help); one that does not fit the queue, or its
+    client's share of it, now is a 429."""
+    most = state.loop.max_group(lane)
+    if n_sequences > most:
+        raise InvalidRequest(
+            f"this request needs {n_sequences} sequences (prompts × n); one request may queue "
+            f"at most {most} (half of --max-waiting)",
+            param=param,
+        )
+    try:
+        state.loop.check_room(client, n_sequences, lane)
+    except QueueFull as e:
+        raise ServerBusy(f"server busy: {e}; retry shortly", retry_after_s=1) from e
 
 
 def max_tokens_for(state: ServerState, n_prompt: int, asked: int | None, lane: str = FAST) -> int:
@@ -97,12 +117,15 @@ class Choice:
 
 
 class Submission:
-    """The scheduler requests of one API call (one per choice) and their streams."""
+    """The scheduler requests of one API call (one per prompt and choice) and their
+    streams, queued together or not at all."""
 
-    def __init__(self, state: ServerState, base_id: str, lane: str = FAST) -> None:
+    def __init__(self, state: ServerState, base_id: str, lane: str, client: str) -> None:
         self.state = state
         self.base_id = base_id
         self.lane = lane
+        self.client = client
+        self.pending: list[Request] = []
         self.req_ids: list[str] = []
         self.queues: list[asyncio.Queue[RequestOutput]] = []
 
@@ -118,26 +141,27 @@ class Submission:
         if self.lane == REPRODUCIBLE:
             check_reproducible(params)  # refused, never served in another lane
         model = self.state.model
-        req = Request(
-            req_id=f"{self.base_id}-{len(self.req_ids)}",
-            prompt_ids=prompt_ids,
-            params=params,
-            max_tokens=max_tokens,
-            arrival_time=time.monotonic(),
-            detok=IncrementalDetokenizer(model.token_bytes),
-            stops=StopMatcher(stops),
-            is_eog=_never if ignore_eos else model.is_eog,
+        self.pending.append(
+            Request(
+                req_id=f"{self.base_id}-{len(self.pending)}",
+                prompt_ids=prompt_ids,
+                params=params,
+                max_tokens=max_tokens,
+                arrival_time=time.monotonic(),
+                detok=IncrementalDetokenizer(model.token_bytes),
+                stops=StopMatcher(stops),
+                is_eog=_never if ignore_eos else model.is_eog,
+                client=self.client,
+            )
         )
-        try:
-            q = self.state.loop.add(req, self.lane)
-        except QueueFull as e:
-            self.abort()
-            raise ServerBusy(f"server busy: {e}; retry shortly", retry_after_s=1) from e
-        self.req_ids.append(req.req_id)
-        self.queues.append(q)
 
-    def accepted(self) -> None:
-        """Every choice is queued: count the request in its lane."""
+    def submit(self) -> None:
+        """Queue every sequence, or none (429: the queue or this client's share is full)."""
+        try:
+            self.queues = self.state.loop.add_group(self.pending, self.lane)
+        except QueueFull as e:
+            raise ServerBusy(f"server busy: {e}; retry shortly", retry_after_s=1) from e
+        self.req_ids = [r.req_id for r in self.pending]
         self.state.metrics.lane_requests.labels(lane=self.lane).inc()
 
     def abort(self) -> None:

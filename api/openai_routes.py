@@ -7,10 +7,11 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from api.auth import client_of
+from api.body import read_json
 from api.disconnect import EventStreamResponse, run_until_disconnect
 from api.errors import (
     APIError,
@@ -18,10 +19,18 @@ from api.errors import (
     InvalidRequest,
     ModelNotFound,
     ServiceUnavailable,
-    from_decode_error,
 )
-from api.generation import Choice, Submission, max_tokens_for, sampling_params, stop_strings
-from api.lanes import resolve_lane
+from api.generation import (
+    SHUTDOWN,
+    Choice,
+    Submission,
+    check_group,
+    max_tokens_for,
+    sampling_params,
+    stop_strings,
+)
+from api.lanes import REPRODUCIBLE, resolve_lane
+from api.prompts import chat_prompt, completion_prompts
 from api.schemas import (
     CHAT_DECODER,
     COMPLETION_DECODER,
@@ -47,7 +56,7 @@ from api.schemas import (
     Usage,
 )
 from api.state import ServerState, server_state
-from engine.chat_template import ChatTemplateError
+from api.validation import chat_messages, check_stops, refuse_unsupported
 from engine.step_types import Sampled
 
 DONE = b"data: [DONE]\n\n"
@@ -61,19 +70,20 @@ def _frame(obj: Any) -> bytes:
     return b"data: " + ENCODER.encode(obj) + b"\n\n"
 
 
+def _check_serving(state: ServerState) -> None:
+    if state.draining:
+        raise ServiceUnavailable("the server is shutting down; retry on another instance")
+
+
 def _check_model(state: ServerState, name: str) -> None:
     if name not in state.aliases:
         raise ModelNotFound(f"The model `{name}` does not exist; this server serves "
                             f"`{state.model_name}`.", param="model")  # fmt: skip
-    if state.draining:
-        raise ServiceUnavailable("server is shutting down")
 
 
-async def _decode(request: Request, decoder: msgspec.json.Decoder[Any]) -> Any:
-    try:
-        return decoder.decode(await request.body())
-    except msgspec.DecodeError as e:
-        raise from_decode_error(e) from None
+def _limit(state: ServerState, lane: str) -> int:
+    """Most tokens of prompt + completion in `lane`."""
+    return state.repro_max_len if lane == REPRODUCIBLE else state.max_model_len
 
 
 def _usage(choices_prompt: int, completion: int) -> Usage:
@@ -120,6 +130,19 @@ def _error_frame(err: APIError) -> bytes:
     return _frame(ErrorBody(ErrorDetail(err.message, err.type, err.param, err.code)))
 
 
+def _stopped() -> ServiceUnavailable:
+    return ServiceUnavailable("the server shut down before this request finished; retry")
+
+
+def _ended_badly(finish_reason: str | None) -> APIError | None:
+    """The error a stream ends with instead of a finish (then `[DONE]`), if any."""
+    if finish_reason == SHUTDOWN:
+        return _stopped()
+    if finish_reason == "error":
+        return GenerationFailed("generation failed in the backend")
+    return None
+
+
 async def _respond(
     request: Request,
     sub: Submission,
@@ -141,6 +164,8 @@ async def _respond(
         sub.abort()
     if not done:  # the client left; nobody reads this
         return Response(status_code=499)
+    if any(c.finish_reason == SHUTDOWN for c in result):
+        raise _stopped()
     if any(c.finish_reason == "error" for c in result):
         raise GenerationFailed("generation failed in the backend; see the server log")
     return _json(body(result))
@@ -149,36 +174,30 @@ async def _respond(
 # ---- routes -------------------------------------------------------------------------
 async def chat_completions(request: Request) -> Response:
     state = server_state(request)
-    req: ChatCompletionRequest = await _decode(request, CHAT_DECODER)
+    _check_serving(state)
+    req: ChatCompletionRequest = await read_json(request, CHAT_DECODER, state.settings.limits)
     _check_model(state, req.model)
-    messages = []
-    for m in req.messages:
-        content = m.content
-        if isinstance(content, list):
-            content = "".join(p.text or "" for p in content if p.type == "text")
-        messages.append({"role": m.role, "content": content or ""})
-    try:
-        prompt = state.template.render(messages)
-    except ChatTemplateError as e:
-        raise InvalidRequest(str(e), param="messages") from None
-    model = state.model
-    add_bos = model.add_bos and not (model.bos_token and prompt.startswith(model.bos_token))
-    ids = model.tokenize(prompt, add_special=add_bos, parse_special=True)
-    lane = resolve_lane(req.strata_reproducible, state.settings.lanes)
-    fp = state.fingerprints[lane]
-    max_tokens = max_tokens_for(state, len(ids), req.max_completion_tokens or req.max_tokens, lane)
+    refuse_unsupported(req)
+    messages = chat_messages(req.messages, state.settings.limits.max_messages)
     if req.top_logprobs and not req.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs=true", param="top_logprobs")
     stops = stop_strings(req.stop)
+    check_stops(stops)
+    lane = resolve_lane(req.strata_reproducible, state.settings.lanes)
+    client = client_of(request.scope)
+    check_group(state, client, req.n, lane)
+    ids = await chat_prompt(state, messages, _limit(state, lane))
+    fp = state.fingerprints[lane]
+    max_tokens = max_tokens_for(state, len(ids), req.max_completion_tokens or req.max_tokens, lane)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    sub = Submission(state, rid, lane)
+    sub = Submission(state, rid, lane, client)
     for i in range(req.n):
         params = sampling_params(
             req, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0, seed_offset=i
         )
         sub.add(ids, params, max_tokens, stops, ignore_eos=req.ignore_eos)
-    sub.accepted()
+    sub.submit()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> bytes:
@@ -192,8 +211,9 @@ async def chat_completions(request: Request) -> Response:
         yield chunk([ChunkChoice(i, Delta(role="assistant", content="")) for i in range(req.n)])
         completion_tokens = 0
         async for i, o in sub.outputs():
-            if o.finish_reason == "error":
-                yield _error_frame(GenerationFailed("generation failed in the backend"))
+            if (err := _ended_badly(o.finish_reason)) is not None:
+                yield _error_frame(err)
+                yield DONE
                 return
             lp = _chat_logprobs(state, o.logprobs) if o.logprobs else None
             if o.text or lp is not None:
@@ -221,47 +241,39 @@ async def chat_completions(request: Request) -> Response:
     return await _respond(request, sub, req.stream, frames, body)
 
 
-def _completion_prompts(state: ServerState, prompt: str | list[str | int]) -> list[list[int]]:
-    model = state.model
-    if isinstance(prompt, str):
-        return [model.tokenize(prompt, add_special=True, parse_special=True)]
-    if all(isinstance(p, int) for p in prompt):
-        ids = [int(p) for p in prompt]
-        if any(not 0 <= t < model.n_vocab for t in ids):
-            raise InvalidRequest(f"token ids must be in [0, {model.n_vocab})", param="prompt")
-        return [ids]
-    if all(isinstance(p, str) for p in prompt):
-        return [model.tokenize(str(p), add_special=True, parse_special=True) for p in prompt]
-    raise InvalidRequest(
-        "prompt must be a string, a list of strings or of token ids", param="prompt"
-    )
-
-
 async def completions(request: Request) -> Response:
     state = server_state(request)
-    req: CompletionRequest = await _decode(request, COMPLETION_DECODER)
+    _check_serving(state)
+    req: CompletionRequest = await read_json(request, COMPLETION_DECODER, state.settings.limits)
     _check_model(state, req.model)
+    refuse_unsupported(req)
     if req.echo:
         raise InvalidRequest("echo is not supported", param="echo")
     if req.suffix:
         raise InvalidRequest("suffix is not supported", param="suffix")
-    prompts = _completion_prompts(state, req.prompt)
+    stops = stop_strings(req.stop)
+    check_stops(stops)
     lane = resolve_lane(req.strata_reproducible, state.settings.lanes)
+    n_prompts = (
+        1 if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else len(req.prompt)
+    )
+    client = client_of(request.scope)
+    check_group(state, client, n_prompts * req.n, lane, "prompt" if n_prompts > 1 else "n")
+    prompts = await completion_prompts(state, req.prompt, _limit(state, lane))
     fp = state.fingerprints[lane]
     limits = [max_tokens_for(state, len(p), req.max_tokens or 16, lane) for p in prompts]
-    stops = stop_strings(req.stop)
     want_lp = req.logprobs is not None
     as_ids = req.return_tokens_as_token_ids
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    sub = Submission(state, rid, lane)
+    sub = Submission(state, rid, lane, client)
     for ids, max_tokens in zip(prompts, limits, strict=True):
         for i in range(req.n):
             params = sampling_params(
                 req, logprobs=want_lp, top_logprobs=req.logprobs or 0, seed_offset=i
             )
             sub.add(ids, params, max_tokens, stops, ignore_eos=req.ignore_eos)
-    sub.accepted()
+    sub.submit()
     n_prompt = sum(len(p) for p in prompts) * req.n
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -269,8 +281,9 @@ async def completions(request: Request) -> Response:
         offsets = [0] * len(sub.queues)
         completion_tokens = 0
         async for i, o in sub.outputs():
-            if o.finish_reason == "error":
-                yield _error_frame(GenerationFailed("generation failed in the backend"))
+            if (err := _ended_badly(o.finish_reason)) is not None:
+                yield _error_frame(err)
+                yield DONE
                 return
             lp = _completion_logprobs(state, o.logprobs, offsets[i], as_ids) if want_lp else None
             offsets[i] += len(o.text)

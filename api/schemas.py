@@ -6,7 +6,7 @@ produced by the same decoder that parses the JSON.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta, Struct
@@ -33,6 +33,8 @@ class ChatMessage(Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: Any = None  # refused until tool calls are served (api.validation)
+    tool_call_id: str | None = None
 
 
 class SamplingFields(Struct, kw_only=True):
@@ -57,6 +59,19 @@ class SamplingFields(Struct, kw_only=True):
     # "required": serve in the reproducible lane; "off"/absent: the server's default lane.
     # Checked by api.lanes (a wrong value is a 400 that lists the allowed ones).
     strata_reproducible: str | None = None
+    # Fields that would change the output and are not served yet: present here so that
+    # api.validation can refuse them by name (a 400), where a decoder that ignores unknown
+    # fields would drop them silently. A value that asks for nothing ([] tools, {}
+    # logit_bias, min_tokens 0 …) is accepted.
+    logit_bias: Any = None
+    min_tokens: Any = None
+    response_format: Any = None
+    guided_json: Any = None  # vLLM's and llama.cpp's constrained-output extensions
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    grammar: Any = None
+    json_schema: Any = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -64,6 +79,13 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: PosInt | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -71,6 +93,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     echo: bool = False
     suffix: str | None = None
+    best_of: Any = None
     # vLLM's extension: logprobs name each token "token_id:<id>" (exact ids, for tests/evals)
     return_tokens_as_token_ids: bool = False
 

@@ -7,9 +7,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import anyio
 from starlette.requests import Request
 
 from api.lanes import LaneOptions
+from api.limits import ConnectionLimits, RequestLimits
 from api.metrics import Metrics
 from engine.chat_template import ChatTemplate
 from engine.config import EngineConfig
@@ -31,7 +33,10 @@ class ServerSettings:
     max_model_len: int | None = None  # per request; None = min(n_ctx, training context)
     max_stall_ms: float | None = 250.0  # step-time target while others decode (None = off)
     min_prefill_chunk: int = 32
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # any of them opens /v1 (api.auth); none: open
+    protect_metrics: bool = False  # /metrics and /experts need a key too
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     drain_s: float = 30.0
     lanes: LaneOptions = field(default_factory=LaneOptions)
     plan: Plan | None = None  # the placement plan applied (engine.cpu_tensors carries it)
@@ -49,6 +54,8 @@ class ServerState:
     repro_max_len: int  # per request in the reproducible lane (its KV stream)
     fingerprints: dict[str, str]  # system_fingerprint by lane
     created: int
+    longest_token_bytes: int  # bounds a prompt's tokens by its length (api.prompts)
+    prompt_workers: anyio.CapacityLimiter  # render + tokenize threads (api.prompts)
     draining: bool = False
     aliases: frozenset[str] = field(default_factory=frozenset)
     experts: ExpertTelemetry | None = None  # router telemetry (MoE, sample rate > 0)

@@ -62,10 +62,14 @@ class Server:
 
 
 def start_process(
-    cmd: list[str], port: int, log_path: Path, ready_timeout_s: float = 300.0
+    cmd: list[str],
+    port: int,
+    log_path: Path,
+    ready_timeout_s: float = 300.0,
+    env: dict[str, str] | None = None,
 ) -> Server:
     """Start `cmd` (listening on `port`) and wait until /health answers 200."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with log_path.open("wb") as logf:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT, env=env)
     server = Server(proc, port, log_path)
@@ -83,8 +87,13 @@ def start_process(
     raise RuntimeError(f"server not ready in {ready_timeout_s}s:\n{server.log()}")
 
 
-def start_server(args: list[str], log_path: Path, ready_timeout_s: float = 300.0) -> Server:
-    """Start `one-gpu serve ARGS` on a free port."""
+def start_server(
+    args: list[str],
+    log_path: Path,
+    ready_timeout_s: float = 300.0,
+    env: dict[str, str] | None = None,
+) -> Server:
+    """Start `one-gpu serve ARGS` on a free port (`env`: extra environment)."""
     port = free_port()
     cmd = [sys.executable, "-m", "api.cli", "serve", "--port", str(port), *args]
-    return start_process(cmd, port, log_path, ready_timeout_s)
+    return start_process(cmd, port, log_path, ready_timeout_s, env)

@@ -110,8 +110,21 @@ class Model:
             n = self.ll.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         return buf.raw[:n]
 
+    def longest_token_bytes(self) -> int:
+        """Bytes of the vocabulary's longest token (special tokens by name): a text of B
+        bytes is at least B / this many tokens, which bounds a prompt before tokenizing."""
+        return max(len(self.token_text(t)) for t in range(self.n_vocab))
+
     def is_eog(self, token: int) -> bool:
         return bool(self.ll.llama_vocab_is_eog(self.vocab, token))
+
+    def is_control(self, token: int) -> bool:
+        """Whether llama.cpp matches this token by its text only when `parse_special` is set
+        (CONTROL or UNKNOWN attribute): the tokens message content must never spell.
+        USER_DEFINED tokens are not: llama.cpp matches them in any text (Gemma's are newlines,
+        runs of spaces, HTML tags), so content that produces them is ordinary text."""
+        attr = self.ll.llama_vocab_get_attr(self.vocab, token)
+        return bool(attr & (self.ll.LLAMA_TOKEN_ATTR_CONTROL | self.ll.LLAMA_TOKEN_ATTR_UNKNOWN))
 
     def special_text(self, token: int) -> str:
         """Text of a special token (BOS/EOS) for chat templates; '' when the model has none."""

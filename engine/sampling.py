@@ -103,7 +103,9 @@ class SamplerBank:
         if p.min_p > 0.0:
             add(chain, ll.llama_sampler_init_min_p(p.min_p, 1))
         add(chain, ll.llama_sampler_init_temp(p.temperature))
-        seed = _RANDOM_SEED if p.seed is None else p.seed & 0xFFFFFFFF
+        # llama.cpp takes 0xFFFFFFFF as "pick a random seed": no seed may map there (a
+        # reproducible request with seed -1 would draw differently every time)
+        seed = _RANDOM_SEED if p.seed is None else p.seed % _RANDOM_SEED
         add(chain, ll.llama_sampler_init_dist(seed))
         return chain
 

@@ -434,7 +434,8 @@ class StepCostModel:
 class StepTimeBudget:
     """The time left for prompt chunks in the step being planned.
 
-    Unbounded when nobody decodes (prompts then use full batches), no target is set, or
+    Unbounded when nobody decodes, here or in another lane that waits for this step
+    (prompts then use full batches), no target is set, or
     the step is a `burst`'s (every decoder has one token and no prefill is under way: see
     `Scheduler.schedule`), so a request of a burst may see one long gap, between its first
     and second token, and none after.
@@ -495,9 +496,11 @@ class StepTimeBudget:
         n_decode: int,
         min_chunk: int,
         burst: bool = False,
+        others_waiting: bool = False,
     ) -> None:
         self.model = model
-        self.bounded = max_stall_s is not None and n_decode > 0 and not burst
+        waiting = n_decode > 0 or others_waiting  # someone's next token waits for this step
+        self.bounded = max_stall_s is not None and waiting and not burst
         room = self.headroom(model)
         self.max_stall = max_stall_s or 0.0
         self.target = self.max_stall * room

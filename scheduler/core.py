@@ -7,7 +7,8 @@ returns each request's stream delta plus the step's stats. Time is passed in, ne
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.step_types import Sampled, SeqChunk, SeqStart, StepBatch, StepResult
@@ -18,7 +19,7 @@ from scheduler.stats import FinishedStats, StepStats
 
 
 class QueueFull(Exception):
-    """The waiting queue is at its bound; the caller should retry later."""
+    """The waiting queue, or the sender's share of it, is full; the caller should retry."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +27,7 @@ class SchedulerConfig:
     max_num_seqs: int  # sequences decoding at once (llama.cpp seq ids)
     kv_capacity: int  # KV cells shared by all sequences
     max_num_batched_tokens: int  # tokens per step, at most the context's n_batch
-    max_waiting: int = 256  # queued requests beyond which add() refuses
+    max_waiting: int = 256  # queued sequences beyond which add_group() refuses
     max_prefill_chunk: int | None = None  # cap on one prompt chunk (None = the step budget)
     kv_watermark: int = 0  # cells kept free when admitting, so decoders are not preempted
     max_stall_s: float | None = None  # target step time while others decode (None = off)
@@ -71,14 +72,53 @@ class Scheduler:
 
     # ---- inputs ----------------------------------------------------------------------
     def add(self, req: Request) -> None:
-        if len(self.waiting) >= self.cfg.max_waiting:
-            raise QueueFull(f"{len(self.waiting)} requests already waiting")
-        self.waiting.append(req)
-        self._by_id[req.req_id] = req
+        self.add_group([req])
 
-    def abort(self, req_id: str) -> None:
-        """Mark for removal at the next `schedule()` (a step may be running right now)."""
-        if req_id in self._by_id:
+    @property
+    def max_group(self) -> int:
+        """The most sequences one client may ever hold in the queue: a larger request can
+        never be queued (the API refuses it with a 400, not a 429 to retry)."""
+        return max(1, self.cfg.max_waiting // 2)
+
+    def add_group(self, reqs: Sequence[Request]) -> None:
+        """Queue the sequences of one API call (its prompts × choices) together, or none
+        (`QueueFull`, see `check_room`)."""
+        self.check_room(reqs[0].client, len(reqs))
+        for req in reqs:
+            self.waiting.append(req)
+            self._by_id[req.req_id] = req
+
+    def check_room(self, client: str, k: int) -> None:
+        """Raise `QueueFull` unless `client` may queue `k` more sequences now.
+
+        Fair share: a client (its API key, else its connection) may hold at most
+        `max_waiting // (n + 1)` waiting sequences, n being the clients with sequences
+        waiting, itself included. So one client alone can use half the queue, and however
+        many clients are waiting, a share stays free for one that is not there yet: a
+        client that floods the queue delays itself, never locks the others out.
+        """
+        total = len(self.waiting)
+        if total + k > self.cfg.max_waiting:
+            raise QueueFull(f"{total} sequences already waiting (at most {self.cfg.max_waiting})")
+        held = Counter(r.client for r in self.waiting)
+        share = max(1, self.cfg.max_waiting // (len(held | {client: 1}) + 1))
+        if held[client] + k > share:
+            raise QueueFull(
+                f"this client has {held[client]} sequences waiting; its share of the queue "
+                f"is {share} while {len(held)} clients wait"
+            )
+
+    def abort(self, req_id: str, now: float) -> None:
+        """A waiting request leaves the queue at once (a refused or abandoned request must
+        not hold a place others could use); a running one is removed at the next
+        `schedule()`, since a step may be running it right now."""
+        req = self._by_id.get(req_id)
+        if req is None:
+            return
+        if req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+            self._finish(req, RequestStatus.FINISHED_ABORTED, now, self._finished)
+        else:
             self._aborts.add(req_id)
 
     @property
@@ -86,7 +126,10 @@ class Scheduler:
         return bool(self.waiting or self.running or self._aborts or self._released)
 
     # ---- schedule --------------------------------------------------------------------
-    def schedule(self, now: float) -> SchedulerOutput:
+    def schedule(self, now: float, others_waiting: bool = False) -> SchedulerOutput:
+        """The next step. `others_waiting`: requests of another lane wait for this step to
+        end (lanes step one after the other), so it is bounded by the stall target as if
+        they decoded here, and never a burst's."""
         self._apply_aborts(now)
         budget = self.cfg.max_num_batched_tokens
         plan: dict[str, tuple[Request, int]] = {}  # insertion order = batch order
@@ -111,10 +154,15 @@ class Scheduler:
         # them would stagger the burst over many steps, and every later step would mix
         # prompt work. A prefill already under way stays bounded for every decoder.
         prefilling = [r for r in self.running if not r.is_decoding and r.req_id not in plan]
-        burst = not prefilling and all(len(r.output_ids) < 2 for r, _ in plan.values())
-        timer = StepTimeBudget(
-            self.cost, self.cfg.max_stall_s, n_decode, self.cfg.min_prefill_chunk, burst
+        burst = (
+            not prefilling
+            and not others_waiting
+            and all(len(r.output_ids) < 2 for r, _ in plan.values())
         )
+        timer = StepTimeBudget(
+            self.cost, self.cfg.max_stall_s, n_decode, self.cfg.min_prefill_chunk, burst,
+            others_waiting,
+        )  # fmt: skip
         for req in prefilling:
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue

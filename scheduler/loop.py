@@ -12,7 +12,9 @@ Lanes: besides the shared ("fast") lane, a server may run other lanes — a sche
 engine step of their own, on another llama.cpp context (the reproducible lane). Each loop
 iteration schedules every lane that has work, runs their steps one after the other, then
 postprocesses them; so a lane's step adds its own time to everyone's step, and nothing
-else: lanes share no KV, no batch and no sampler.
+else: lanes share no KV, no batch and no sampler. A lane whose step others wait on (their
+lane has running requests) sizes its prompt chunks for the stall target as if they
+decoded in it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 from engine.errors import KVCacheFull
 from engine.step_types import StepBatch, StepResult
 from scheduler.core import Scheduler, SchedulerOutput
-from scheduler.request import Request, RequestOutput
+from scheduler.request import SHUTDOWN, Request, RequestOutput
 from scheduler.stats import FAST, StepStats
 
 log = logging.getLogger(__name__)
@@ -76,14 +78,33 @@ class EngineLoop:
         self._aloop = asyncio.get_running_loop()
         self._task = self._aloop.run_in_executor(self._executor, self._run)
 
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait until every request has finished, for at most `timeout_s`; True if they did."""
+        if self._idle.is_set():
+            return True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def end_all(self) -> int:
+        """End every request now (the drain window passed): each stream gets a last output
+        with finish_reason `SHUTDOWN`, so its client sees an error, not a cut connection.
+        Returns how many streams were ended."""
+        ended = 0
+        for req_id, q in list(self._streams.items()):
+            q.put_nowait(RequestOutput(req_id, "", [], [], SHUTDOWN, 0, 0))
+            self.abort(req_id)
+            ended += 1
+        return ended
+
     async def stop(self, drain_s: float = 0.0) -> None:
-        """Let running requests finish for up to `drain_s`, then stop stepping."""
-        if drain_s > 0 and not self._idle.is_set():
-            try:
-                await asyncio.wait_for(self._idle.wait(), drain_s)
-            except TimeoutError:
-                running = sum(len(lane.scheduler.running) for lane in self.lanes.values())
-                log.warning("drain timed out with %d running", running)
+        """Let running requests finish for up to `drain_s`, end the rest, stop stepping."""
+        if drain_s > 0 and not await self.drain(drain_s):
+            running = sum(len(lane.scheduler.running) for lane in self.lanes.values())
+            log.warning("drain timed out with %d running", running)
+        self.end_all()
         with self._work:
             self._closed = True
             self._work.notify()
@@ -93,22 +114,42 @@ class EngineLoop:
 
     def add(self, req: Request, lane: str = FAST) -> asyncio.Queue[RequestOutput]:
         """Queue a request; raises `QueueFull` at the bound. Returns its output stream."""
+        return self.add_group([req], lane)[0]
+
+    def add_group(
+        self, reqs: list[Request], lane: str = FAST
+    ) -> list[asyncio.Queue[RequestOutput]]:
+        """Queue one API call's sequences, all or none (`QueueFull`); their streams."""
         sched = self.lanes[lane].scheduler
         with self._work:
-            sched.add(req)
+            sched.add_group(reqs)
             self._work.notify()
-        self._lane_of[req.req_id] = sched
-        q: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._streams[req.req_id] = q
+        queues = []
+        for req in reqs:
+            self._lane_of[req.req_id] = sched
+            q: asyncio.Queue[RequestOutput] = asyncio.Queue()
+            self._streams[req.req_id] = q
+            queues.append(q)
         self._idle.clear()
-        return q
+        return queues
+
+    def check_room(self, client: str, k: int, lane: str = FAST) -> None:
+        """`QueueFull` unless `client` may queue `k` sequences now: asked before a request's
+        prompt is tokenized, so a refused one costs nothing (`add_group` asks again)."""
+        with self._lock:
+            self.lanes[lane].scheduler.check_room(client, k)
+
+    def max_group(self, lane: str = FAST) -> int:
+        """The most sequences one request may queue in `lane` (larger: never fits)."""
+        return self.lanes[lane].scheduler.max_group
 
     def abort(self, req_id: str) -> None:
-        """Stop a request (client gone); its KV is freed at the next step."""
+        """Stop a request (client gone): out of the queue at once, or its KV freed at the
+        next step."""
         sched = self._lane_of.pop(req_id, None)
         if self._streams.pop(req_id, None) is not None and sched is not None:
             with self._work:
-                sched.abort(req_id)
+                sched.abort(req_id, self._clock())
                 self._work.notify()
 
     @property
@@ -132,7 +173,9 @@ class EngineLoop:
                 for lane in self.lanes.values():
                     if lane.scheduler.has_work:
                         p0 = time.perf_counter()
-                        out = lane.scheduler.schedule(self._clock())
+                        others = any(o.scheduler.running for o in self.lanes.values()
+                                     if o is not lane)  # fmt: skip
+                        out = lane.scheduler.schedule(self._clock(), others)
                         if not out.is_empty:
                             planned.append((lane, out, time.perf_counter() - p0))
                 if not planned:  # nothing admissible now: wait for an add or abort

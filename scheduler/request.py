@@ -10,6 +10,10 @@ from engine.detok import IncrementalDetokenizer
 from engine.step_types import Sampled, SamplingParams
 from scheduler.stops import StopMatcher
 
+# The finish_reason of a stream the server ended because it is shutting down (the drain
+# window passed): the API turns it into an error event, never a finish.
+SHUTDOWN = "shutdown"
+
 
 class RequestStatus(enum.IntEnum):
     """Ordered: everything from FINISHED_STOPPED on is final."""
@@ -55,6 +59,7 @@ class Request:
     detok: IncrementalDetokenizer
     stops: StopMatcher
     is_eog: Callable[[int], bool]
+    client: str = ""  # who sent it (API key, else connection): the queue's fairness unit
     status: RequestStatus = RequestStatus.WAITING
     seq_id: int | None = None
     output_ids: list[int] = field(default_factory=list)

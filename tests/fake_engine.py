@@ -159,8 +159,9 @@ def make_request(
     arrival: float = 0.0,
     stops: tuple[str, ...] = (),
     logprobs: bool = False,
+    client: str | None = None,
 ) -> Request:
-    """A greedy request whose text comes from `token_bytes`."""
+    """A greedy request whose text comes from `token_bytes`; its own client unless told."""
     return Request(
         req_id=req_id,
         prompt_ids=list(prompt),
@@ -170,4 +171,5 @@ def make_request(
         detok=IncrementalDetokenizer(token_bytes),
         stops=StopMatcher(stops),
         is_eog=is_eog,
+        client=req_id if client is None else client,
     )

@@ -295,7 +295,7 @@ def test_a_newcomer_is_not_stalled_by_a_prefill_under_way_when_old_decoders_leav
             newcomer = make_request("new", [9] * 16, 50, arrival=now)
             sched.add(newcomer)
         if newcomer is not None and len(newcomer.output_ids) == 1:
-            sched.abort("old")  # its client leaves in the step the newcomer starts decoding
+            sched.abort("old", 0.0)  # its client leaves in the step the newcomer starts decoding
         out = sched.schedule(now)
         res = fake.step(out.batch)
         res.decode_s = 0.04 + sum(  # the CPU shape of `tiled_step_time`, by chunk length

@@ -459,6 +459,15 @@ def test_seeded_sampling_reproduces(open_engine: OpenEngine) -> None:
     assert res.sampled[0].token == first[0]
 
 
+def test_every_seed_reproduces_with_penalties_too(open_engine: OpenEngine) -> None:
+    """Penalties go through llama.cpp's chains, whose 0xFFFFFFFF means "pick a random
+    seed": seed -1 (or 2**32 - 1) must not land there."""
+    for seed in (-1, 2**32 - 1):
+        params = SamplingParams(temperature=1.0, presence_penalty=0.5, seed=seed)
+        runs = [generate(open_engine(), prompt_ids(open_engine()), 20, params) for _ in range(3)]
+        assert runs[0] == runs[1] == runs[2], seed
+
+
 def test_logprobs(open_engine: OpenEngine) -> None:
     eng = open_engine()
     prompt = prompt_ids(eng)

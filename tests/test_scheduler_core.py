@@ -320,9 +320,9 @@ def test_abort_waiting_request() -> None:
     b = d.add(make_request("b", prompt(4, 1), 6))
     d.step()
     assert list(d.sched.waiting) == [b]
-    d.sched.abort("b")
+    d.sched.abort("b", d.now)
+    assert list(d.sched.waiting) == []  # out of the queue at once, not at the next step
     s = d.step()
-    assert list(d.sched.waiting) == []
     assert b.status is RequestStatus.FINISHED_ABORTED and b.seq_id is None
     assert s.out.batch.released == [] and s.out.reqs == [a]
     assert s.stats is not None
@@ -343,7 +343,7 @@ def test_abort_running_request_frees_its_seq_and_cells() -> None:
     seq_a = a.seq_id
     assert d.sched.pool.used == a.num_computed + b.num_computed
     n_out = len(d.streams["a"])
-    d.sched.abort("a")
+    d.sched.abort("a", d.now)
     s = d.step()
     assert a.status is RequestStatus.FINISHED_ABORTED and a.seq_id is None
     assert s.out.batch.released == [seq_a]
@@ -355,7 +355,7 @@ def test_abort_running_request_frees_its_seq_and_cells() -> None:
     assert s.stats.finished[0].num_output_tokens == n_out
     assert len(d.streams["a"]) == n_out  # nothing more for the aborted stream
     assert d.sched.pool.num_free_seqs == 3
-    d.sched.abort("a")  # a second abort, or one for a finished request, is a no-op
+    d.sched.abort("a", d.now)  # a second abort, or one for a finished request, is a no-op
     d.run()
     d.assert_matches_reference("b")
     assert d.sched.pool.used == 0 and d.sched.pool.num_free_seqs == 4
@@ -365,8 +365,8 @@ def test_abort_of_unknown_or_finished_request_is_ignored() -> None:
     d = Driver(cfg())
     d.add(make_request("a", prompt(3), 1))
     d.run()
-    d.sched.abort("a")
-    d.sched.abort("nope")
+    d.sched.abort("a", d.now)
+    d.sched.abort("nope", d.now)
     assert not d.sched.has_work
 
 
@@ -383,6 +383,66 @@ def test_queue_bound_raises_queue_full() -> None:
     d.run()
     for r in "abc":
         d.assert_matches_reference(r)
+
+
+def test_a_request_whose_sequences_do_not_all_fit_queues_none_of_them() -> None:
+    d = Driver(cfg(max_waiting=8, max_num_seqs=1))
+    d.add(make_request("run", prompt(3), 50))
+    d.step()  # "run" holds the only sequence: everything else waits
+    group = [make_request(f"g{i}", prompt(3, i), 4, client="c") for i in range(5)]
+    with pytest.raises(QueueFull):  # 5 > 8 // 2: more than one client may ever hold
+        d.sched.add_group(group)
+    assert not d.sched.waiting and not any(g.req_id in d.sched._by_id for g in group)
+    d.sched.add_group(group[:4])
+    assert list(d.sched.waiting) == group[:4]
+
+
+def test_one_client_cannot_fill_the_queue_and_a_newcomer_always_gets_in() -> None:
+    d = Driver(cfg(max_waiting=12, max_num_seqs=1))
+    d.add(make_request("run", prompt(3), 200))
+    d.step()
+    flood = 0
+    with pytest.raises(QueueFull):
+        while True:  # one client alone: at most half the queue
+            d.add(make_request(f"a{flood}", prompt(3, flood), 4, client="A"))
+            flood += 1
+    assert flood == 6
+    d.add(make_request("b0", prompt(3, 99), 4, client="B"))  # room kept for a newcomer
+    with pytest.raises(QueueFull):  # A is over its share (12 // 3 = 4) while B waits
+        d.add(make_request("a-more", prompt(3, 98), 4, client="A"))
+    d.add(make_request("c0", prompt(3, 97), 4, client="C"))
+    d.add(make_request("b1", prompt(3, 96), 4, client="B"))
+    assert sum(r.client == "A" for r in d.sched.waiting) == 6
+    # everyone's requests complete, the flood's too
+    d.sched.abort("run", d.now)
+    d.run()
+    for r in ["b0", "b1", "c0", *(f"a{i}" for i in range(6))]:
+        d.assert_matches_reference(r)
+
+
+def test_aborting_waiting_requests_frees_their_places_at_once() -> None:
+    d = Driver(cfg(max_waiting=4, max_num_seqs=1))
+    d.add(make_request("run", prompt(3), 50))
+    d.step()
+    for round_ in range(20):  # a client that sends and gives up, over and over
+        group = [make_request(f"r{round_}-{i}", prompt(3, i), 4, client="x") for i in range(2)]
+        d.sched.add_group(group)
+        for g in group:
+            d.sched.abort(g.req_id, d.now)
+    assert not d.sched.waiting
+    d.add(make_request("other", prompt(3, 7), 4, client="y"))
+
+
+def test_a_lane_others_wait_on_bounds_its_prompt_chunks() -> None:
+    """Lanes step one after the other: a reproducible request decoding in its own lane
+    waits for the shared lane's step, so a prompt there is chunked as if it decoded in it."""
+    c = cfg(max_num_batched_tokens=512, max_stall_s=0.25, min_prefill_chunk=32)
+    for others, want in ((False, 512), (True, 32)):
+        sched = Scheduler(c)
+        sched.add(make_request("p", prompt(2000), 4))
+        out = sched.schedule(0.0, others_waiting=others)
+        assert [len(ch.tokens) for ch in out.batch.chunks] == [want]
+        assert out.bounded is others
 
 
 # ---- preemption -------------------------------------------------------------------------
@@ -671,7 +731,7 @@ def test_random_workload_matches_reference(seed: int) -> None:
             victim = rng.choice(sorted(d.reqs))
             if not d.reqs[victim].status.is_finished:
                 aborted.add(victim)
-            d.sched.abort(victim)
+            d.sched.abort(victim, d.now)
         d.now = step_no - 1.0
         step = d.step()
         if step.stats is not None:

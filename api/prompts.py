@@ -1,0 +1,83 @@
+"""Prompts to token ids, off the event loop and bounded before the work starts.
+
+Rendering a chat template and tokenizing take time in proportion to the request (a
+700 KB chat body took seconds); on the event loop that time would freeze every stream
+and /health. So the work runs in a worker thread (llama.cpp's tokenizer releases the GIL),
+a few at a time, and a prompt that cannot fit is refused first by its length in
+characters: no token renders to more than the vocabulary's longest token, so a prompt
+of C characters has at least C / longest tokens.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import anyio
+
+from api.errors import ContextLengthExceeded, InvalidRequest
+from api.state import ServerState
+from engine.chat_template import ChatTemplateError
+from engine.chat_tokens import chat_prompt_ids
+
+
+def _at_least(n_chars: int, state: ServerState) -> int:
+    """A lower bound on the tokens of a text of `n_chars` characters (each at least a
+    byte, every token at most the longest token's bytes)."""
+    return -(-n_chars // state.longest_token_bytes)
+
+
+def _refuse_if_too_long(n_chars: int, limit: int, state: ServerState, param: str) -> None:
+    at_least = _at_least(n_chars, state)
+    if at_least >= limit:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {limit} tokens. However, the prompt "
+            f"has {n_chars} characters, which is at least {at_least} tokens. Please reduce "
+            "the prompt.",
+            param=param,
+        )
+
+
+async def chat_prompt(state: ServerState, messages: list[dict[str, str]], limit: int) -> list[int]:
+    """The chat's token ids: template text with its special tokens, message content as
+    plain text (engine.chat_tokens)."""
+    _refuse_if_too_long(sum(len(m["content"]) for m in messages), limit, state, "messages")
+    model = state.model
+
+    def tokenize(text: str, add_special: bool, parse_special: bool) -> list[int]:
+        return model.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    work = partial(
+        chat_prompt_ids, state.template, messages, tokenize, model.is_control,
+        add_bos=model.add_bos, bos_token=model.bos_token,
+    )  # fmt: skip
+    try:
+        return await anyio.to_thread.run_sync(work, limiter=state.prompt_workers)
+    except ChatTemplateError as e:
+        raise InvalidRequest(str(e), param="messages") from None
+
+
+async def completion_prompts(
+    state: ServerState, prompt: str | list[str | int], limit: int
+) -> list[list[int]]:
+    """Each prompt's token ids (a string, a list of strings, or one list of token ids)."""
+    model = state.model
+    if isinstance(prompt, str):
+        texts = [prompt]
+    elif all(isinstance(p, int) for p in prompt):
+        ids = [int(p) for p in prompt]
+        if any(not 0 <= t < model.n_vocab for t in ids):
+            raise InvalidRequest(f"token ids must be in [0, {model.n_vocab})", param="prompt")
+        return [ids]
+    elif all(isinstance(p, str) for p in prompt):
+        texts = [str(p) for p in prompt]
+    else:
+        raise InvalidRequest(
+            "prompt must be a string, a list of strings or of token ids", param="prompt"
+        )
+    for text in texts:
+        _refuse_if_too_long(len(text), limit, state, "prompt")
+
+    def tokenize_all() -> list[list[int]]:
+        return [model.tokenize(t, add_special=True, parse_special=True) for t in texts]
+
+    return await anyio.to_thread.run_sync(tokenize_all, limiter=state.prompt_workers)

@@ -1,0 +1,113 @@
+"""Checks a decoded request must pass before any work is done for it.
+
+What the server does not implement is refused by name with a 400 — tools, structured
+output, logit bias, images … — because a client that sent them relies on them, and an
+answer that silently ignored them would look right and be wrong. Sizes are bounded here
+too, before rendering or tokenizing: the number of messages, stop strings.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from api.errors import InvalidRequest, Unsupported
+from api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+
+# role -> the role the chat template sees ("developer" is OpenAI's newer name for system)
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+MAX_STOP_CHARS = 1000  # one stop string: matched against every streamed token's text
+
+
+def _asks_nothing(value: Any) -> bool:
+    """The values that leave the output as it is without the field."""
+    return value is None or value == [] or value == {} or value == 0 or value is False
+
+
+def _refuse(field: str, what: str) -> Unsupported:
+    return Unsupported(f"`{field}` is not supported by this server yet ({what})", param=field)
+
+
+def refuse_unsupported(req: SamplingFields) -> None:
+    """A 400 naming the first field that asks for something not served yet."""
+    if not _asks_nothing(req.logit_bias):
+        raise _refuse("logit_bias", "token biases")
+    if not _asks_nothing(req.min_tokens):
+        raise _refuse("min_tokens", "a minimum length")
+    rf = req.response_format
+    if not (rf is None or (isinstance(rf, dict) and rf.get("type") == "text")):
+        raise _refuse("response_format", "structured output: only {'type': 'text'} is served")
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "grammar",
+                 "json_schema"):  # fmt: skip
+        if not _asks_nothing(getattr(req, name)):
+            raise _refuse(name, "constrained output")
+    if isinstance(req, ChatCompletionRequest):
+        _refuse_chat_only(req)
+    elif isinstance(req, CompletionRequest) and req.best_of not in (None, 1, req.n):
+        raise _refuse("best_of", "best-of sampling; ask for `n` choices instead")
+
+
+def _refuse_chat_only(req: ChatCompletionRequest) -> None:
+    if not _asks_nothing(req.tools):
+        raise _refuse("tools", "tool calls")
+    if req.tool_choice not in (None, "none"):
+        raise _refuse("tool_choice", "tool calls")
+    if not _asks_nothing(req.functions):
+        raise _refuse("functions", "function calls")
+    if req.function_call not in (None, "none"):
+        raise _refuse("function_call", "function calls")
+    if not _asks_nothing(req.audio):
+        raise _refuse("audio", "audio output")
+    if req.modalities not in (None, ["text"]):
+        raise _refuse("modalities", "only text is served")
+    if not _asks_nothing(req.prediction):
+        raise _refuse("prediction", "predicted outputs")
+
+
+def chat_messages(messages: list[ChatMessage], max_messages: int) -> list[dict[str, str]]:
+    """The messages as the chat template takes them, text only; a 400 for a role, part or
+    field that cannot be served, naming where it is."""
+    if len(messages) > max_messages:
+        raise InvalidRequest(
+            f"{len(messages)} messages; this server accepts at most {max_messages} per request "
+            "(--max-messages)",
+            param="messages",
+        )
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        role = ROLES.get(m.role)
+        if role is None:
+            if m.role in ("tool", "function"):
+                raise _refuse(f"{where}.role", f"role {m.role!r}: tool results")
+            raise InvalidRequest(
+                f"role {m.role!r} is not one of {', '.join(ROLES)}", param=f"{where}.role"
+            )
+        if not _asks_nothing(m.tool_calls):
+            raise _refuse(f"{where}.tool_calls", "tool calls")
+        if m.tool_call_id is not None:
+            raise _refuse(f"{where}.tool_call_id", "tool results")
+        out.append({"role": role, "content": _text(m, where)})
+    return out
+
+
+def _text(m: ChatMessage, where: str) -> str:
+    if m.content is None or isinstance(m.content, str):
+        return m.content or ""
+    texts = []
+    for j, part in enumerate(m.content):
+        if part.type != "text":
+            raise _refuse(f"{where}.content[{j}].type", f"{part.type!r} parts: text only")
+        if part.text is None:
+            raise InvalidRequest("a text part needs `text`", param=f"{where}.content[{j}].text")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def check_stops(stops: tuple[str, ...]) -> None:
+    for i, s in enumerate(stops):
+        if not s:
+            raise InvalidRequest("a stop string cannot be empty", param=f"stop[{i}]")
+        if len(s) > MAX_STOP_CHARS:
+            raise InvalidRequest(
+                f"a stop string may have at most {MAX_STOP_CHARS} characters", param=f"stop[{i}]"
+            )
