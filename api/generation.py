@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from api.errors import ContextLengthExceeded, InvalidRequest, ServerBusy
+from api.errors import ContextLengthExceeded, InvalidRequest, ServerBusy, ServiceUnavailable
 from api.lanes import FAST, REPRODUCIBLE, check_reproducible
 from api.schemas import SamplingFields
 from api.state import ServerState
@@ -51,25 +52,6 @@ def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     if len(stops) > 16:
         raise InvalidRequest("at most 16 stop strings", param="stop")
     return stops
-
-
-def check_group(
-    state: ServerState, client: str, n_sequences: int, lane: str, param: str = "n"
-) -> None:
-    """Before any work: a request whose prompts × choices exceed what one client may ever
-    queue is a 400 (retrying could never help); one that does not fit the queue, or its
-    client's share of it, now is a 429."""
-    most = state.loop.max_group(lane)
-    if n_sequences > most:
-        raise InvalidRequest(
-            f"this request needs {n_sequences} sequences (prompts × n); one request may queue "
-            f"at most {most} (half of --max-waiting)",
-            param=param,
-        )
-    try:
-        state.loop.check_room(client, n_sequences, lane)
-    except QueueFull as e:
-        raise ServerBusy(f"server busy: {e}; retry shortly", retry_after_s=1) from e
 
 
 def max_tokens_for(state: ServerState, n_prompt: int, asked: int | None, lane: str = FAST) -> int:
@@ -155,8 +137,38 @@ class Submission:
             )
         )
 
+    @contextmanager
+    def admission(self, n_sequences: int, param: str = "n") -> Iterator[None]:
+        """Before any work: a request whose prompts × choices exceed what one client may
+        ever queue is a 400 (retrying could never help); one that does not fit the queue,
+        or its client's share of it, now is a 429. Then, while the prompt is tokenized, its
+        sequences count against the client's share as if they waited: a client cannot
+        keep the prompt workers busy with requests the queue would refuse."""
+        state, key = self.state, (self.lane, self.client)
+        most = state.loop.max_group(self.lane)
+        if n_sequences > most:
+            raise InvalidRequest(
+                f"this request needs {n_sequences} sequences (prompts × n); one request may "
+                f"queue at most {most} (half of --max-waiting)",
+                param=param,
+            )
+        try:
+            state.loop.check_room(self.client, n_sequences + state.preparing[key], self.lane)
+        except QueueFull as e:
+            raise ServerBusy(f"server busy: {e}; retry shortly", retry_after_s=1) from e
+        state.preparing[key] += n_sequences
+        try:
+            yield
+        finally:
+            state.preparing[key] -= n_sequences
+            if not state.preparing[key]:
+                del state.preparing[key]
+
     def submit(self) -> None:
-        """Queue every sequence, or none (429: the queue or this client's share is full)."""
+        """Queue every sequence, or none (429: the queue or this client's share is full;
+        503: the server began to drain while this request was read or tokenized)."""
+        if self.state.draining:
+            raise ServiceUnavailable("the server is shutting down; retry on another instance")
         try:
             self.queues = self.state.loop.add_group(self.pending, self.lane)
         except QueueFull as e:

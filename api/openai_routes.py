@@ -24,7 +24,6 @@ from api.generation import (
     SHUTDOWN,
     Choice,
     Submission,
-    check_group,
     max_tokens_for,
     sampling_params,
     stop_strings,
@@ -184,20 +183,20 @@ async def chat_completions(request: Request) -> Response:
     stops = stop_strings(req.stop)
     check_stops(stops)
     lane = resolve_lane(req.strata_reproducible, state.settings.lanes)
-    client = client_of(request.scope)
-    check_group(state, client, req.n, lane)
-    ids = await chat_prompt(state, messages, _limit(state, lane))
-    fp = state.fingerprints[lane]
-    max_tokens = max_tokens_for(state, len(ids), req.max_completion_tokens or req.max_tokens, lane)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
+    sub = Submission(state, rid, lane, client_of(request.scope))
+    with sub.admission(req.n):
+        ids = await chat_prompt(state, messages, _limit(state, lane))
+        asked = req.max_completion_tokens or req.max_tokens
+        max_tokens = max_tokens_for(state, len(ids), asked, lane)
+        for i in range(req.n):
+            params = sampling_params(
+                req, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0, seed_offset=i
+            )
+            sub.add(ids, params, max_tokens, stops, ignore_eos=req.ignore_eos)
+        sub.submit()
+    fp = state.fingerprints[lane]
     created = int(time.time())
-    sub = Submission(state, rid, lane, client)
-    for i in range(req.n):
-        params = sampling_params(
-            req, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0, seed_offset=i
-        )
-        sub.add(ids, params, max_tokens, stops, ignore_eos=req.ignore_eos)
-    sub.submit()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> bytes:
@@ -257,23 +256,22 @@ async def completions(request: Request) -> Response:
     n_prompts = (
         1 if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else len(req.prompt)
     )
-    client = client_of(request.scope)
-    check_group(state, client, n_prompts * req.n, lane, "prompt" if n_prompts > 1 else "n")
-    prompts = await completion_prompts(state, req.prompt, _limit(state, lane))
-    fp = state.fingerprints[lane]
-    limits = [max_tokens_for(state, len(p), req.max_tokens or 16, lane) for p in prompts]
     want_lp = req.logprobs is not None
     as_ids = req.return_tokens_as_token_ids
     rid = f"cmpl-{uuid.uuid4().hex}"
+    sub = Submission(state, rid, lane, client_of(request.scope))
+    with sub.admission(n_prompts * req.n, "prompt" if n_prompts > 1 else "n"):
+        prompts = await completion_prompts(state, req.prompt, _limit(state, lane))
+        limits = [max_tokens_for(state, len(p), req.max_tokens or 16, lane) for p in prompts]
+        for ids, max_tokens in zip(prompts, limits, strict=True):
+            for i in range(req.n):
+                params = sampling_params(
+                    req, logprobs=want_lp, top_logprobs=req.logprobs or 0, seed_offset=i
+                )
+                sub.add(ids, params, max_tokens, stops, ignore_eos=req.ignore_eos)
+        sub.submit()
+    fp = state.fingerprints[lane]
     created = int(time.time())
-    sub = Submission(state, rid, lane, client)
-    for ids, max_tokens in zip(prompts, limits, strict=True):
-        for i in range(req.n):
-            params = sampling_params(
-                req, logprobs=want_lp, top_logprobs=req.logprobs or 0, seed_offset=i
-            )
-            sub.add(ids, params, max_tokens, stops, ignore_eos=req.ignore_eos)
-    sub.submit()
     n_prompt = sum(len(p) for p in prompts) * req.n
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 

@@ -13,6 +13,7 @@ cleanly.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import resource
 import socket
@@ -34,7 +35,8 @@ class DrainingServer(uvicorn.Server):
         self.app = app
         self.drain_s = drain_s
         self._aloop: asyncio.AbstractEventLoop | None = None
-        self._drain: asyncio.Task[None] | None = None
+        self._signals = 0  # counted in the handler itself: a second one may come first
+        self._drain: asyncio.Future[None] | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._aloop = asyncio.get_running_loop()
@@ -45,12 +47,14 @@ class DrainingServer(uvicorn.Server):
         if state is None or self._aloop is None:  # not serving yet: nothing to drain
             super().handle_exit(sig, frame)
             return
-        if self._drain is None:
+        self._signals += 1
+        if self._signals == 1:
             self._aloop.call_soon_threadsafe(self._start_drain, state, sig)
         else:  # a second signal: end every request now, then exit
             self._aloop.call_soon_threadsafe(self._end_now, state, sig)
 
     def _start_drain(self, state: ServerState, sig: int) -> None:
+        state.draining = True
         self._drain = asyncio.ensure_future(self._drain_then_exit(state, sig))
 
     async def _drain_then_exit(self, state: ServerState, sig: int) -> None:
@@ -102,4 +106,5 @@ def serve(app: Starlette, settings: ServerSettings, host: str, port: int, log_le
         timeout_keep_alive=int(max(1, conns.keep_alive_s)),
         timeout_graceful_shutdown=FLUSH_S,
     )
-    DrainingServer(config, app, settings.drain_s).run()
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the SIGINT it drained for
+        DrainingServer(config, app, settings.drain_s).run()

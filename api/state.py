@@ -3,6 +3,7 @@ app's lifespan, carried on `app.state`, never module globals)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -57,6 +58,8 @@ class ServerState:
     longest_token_bytes: int  # bounds a prompt's tokens by its length (api.prompts)
     prompt_workers: anyio.CapacityLimiter  # render + tokenize threads (api.prompts)
     draining: bool = False
+    # sequences of requests admitted but still being tokenized, by (lane, client)
+    preparing: Counter[tuple[str, str]] = field(default_factory=Counter)
     aliases: frozenset[str] = field(default_factory=frozenset)
     experts: ExpertTelemetry | None = None  # router telemetry (MoE, sample rate > 0)
 

@@ -93,9 +93,11 @@ class Scheduler:
 
         Fair share: a client (its API key, else its connection) may hold at most
         `max_waiting // (n + 1)` waiting sequences, n being the clients with sequences
-        waiting, itself included. So one client alone can use half the queue, and however
-        many clients are waiting, a share stays free for one that is not there yet: a
-        client that floods the queue delays itself, never locks the others out.
+        waiting, itself included. One client alone can use half the queue, and a client
+        over its share adds nothing while others wait, so a flood fills at most its share
+        and delays its sender. What a client took under a larger share is not taken back:
+        several clients that each filled their share can still fill the queue between
+        them (evicting the newest waiting request of the largest holder would close that).
         """
         total = len(self.waiting)
         if total + k > self.cfg.max_waiting:

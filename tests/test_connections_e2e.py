@@ -77,20 +77,28 @@ def test_idle_connections_make_way_and_health_still_answers(
 
 
 def test_slow_or_silent_clients_are_timed_out(tight: Server, watcher: Bystander) -> None:
+    health = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+
     def bad() -> None:
         with socket.create_connection(("127.0.0.1", tight.port)) as silent, \
-                socket.create_connection(("127.0.0.1", tight.port)) as slow:  # fmt: skip
+                socket.create_connection(("127.0.0.1", tight.port)) as slow, \
+                socket.create_connection(("127.0.0.1", tight.port)) as stray:  # fmt: skip
             slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-")
+            stray.sendall(health)
+            stray.settimeout(10)
+            assert stray.recv(65536).startswith(b"HTTP/1.1 200")
+            stray.sendall(b"\r\n")  # bytes, but no request: the keep-alive timer is gone
             reply = _read_all(slow, 30)  # headers never finish: 408 after --header-timeout
             assert reply.startswith(b"HTTP/1.1 408")
             err = json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]
             assert err["code"] == "request_timeout"
             assert _read_all(silent, 30) == b""  # never sent a byte: closed, nothing to say
+            assert _read_all(stray, 30) == b""
         with socket.create_connection(("127.0.0.1", tight.port)) as big:
-            big.sendall(
-                b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n"
-            )
-            assert _read_all(big).startswith(b"HTTP/1.1 431")
+            t0 = time.monotonic()  # one header that never ends: refused as it grows
+            big.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 200_000)
+            assert _read_all(big, 30).startswith(b"HTTP/1.1 431")
+            assert time.monotonic() - t0 < 5  # not at the header timeout
         with Conn(tight) as conn:
             conn.post("/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 1})
             conn.assert_still_serves()
