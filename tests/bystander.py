@@ -123,6 +123,8 @@ class Bystander:
     def beside(self, bad: Callable[[], None]) -> Streamed:
         ref = self.alone()
         got = _stream(self.server, self.key, self.max_tokens, bad)
+        print(f"bystander: longest pause {got.max_gap_s * 1000:.0f} ms beside, "
+              f"{ref.max_gap_s * 1000:.0f} ms alone")  # fmt: skip
         assert got.text == ref.text, "the stream beside the bad request changed"
         assert got.finish_reason == "length"
         assert got.max_gap_s <= GAP_FACTOR * ref.max_gap_s, (

@@ -42,7 +42,7 @@ def hardened(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     keys = d / "keys"
     keys.write_text(f"# API keys\n{FLOOD}\n{OTHER}\n{WATCHER}\n")
     srv = start_server(
-        [*ENGINE_THREADS, *TIGHT_STALL, "--n-ctx", "4096", "--n-seq-max", "4", "--max-waiting", "8",
+        [*ENGINE_THREADS, *TIGHT_STALL, "--n-ctx", "4096", "--n-seq-max", "2", "--max-waiting", "8",
          "--api-key-file", str(keys), "--api-key", CLI_KEY, "--protect-metrics"],
         d / "server.log", env={"ONEGPU_API_KEY": ",".join(ENV_KEYS)},
     )  # fmt: skip
