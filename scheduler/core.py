@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from engine.step_types import Sampled, SeqChunk, SeqStart, StepBatch, StepResult
 from scheduler.budget import StepCostModel, StepTimeBudget
-from scheduler.kv import KVPool
+from scheduler.kv import GrowthEstimate, KVPool
 from scheduler.request import Request, RequestOutput, RequestStatus
 from scheduler.stats import FinishedStats, StepStats
 
@@ -30,6 +30,7 @@ class SchedulerConfig:
     max_waiting: int = 256  # queued sequences beyond which add_group() refuses
     max_prefill_chunk: int | None = None  # cap on one prompt chunk (None = the step budget)
     kv_watermark: int = 0  # cells kept free when admitting, so decoders are not preempted
+    reserve_growth: bool = True  # admission keeps cells for the running requests' growth
     max_stall_s: float | None = None  # target step time while others decode (None = off)
     min_prefill_chunk: int = 32  # prompt tokens a step always grants: prefill progresses
     ubatch: int = 0  # llama.cpp's physical batch: bounded steps avoid a short last one
@@ -59,6 +60,7 @@ class Scheduler:
             raise ValueError("max_num_batched_tokens must be >= 1")
         self.cfg = cfg
         self.pool = KVPool(cfg.kv_capacity, cfg.max_num_seqs)
+        self.growth = GrowthEstimate(cfg.reserve_growth)
         self.cost = StepCostModel(cfg.ubatch, cfg.attention_tile)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -186,6 +188,12 @@ class Scheduler:
             self._kv_backoff = False
         # A step that had to preempt admits nobody: the room it made is for the running.
         can_admit = preempted == 0 and not self._kv_backoff
+        if n_decode:
+            self.growth.step()
+        # Admission by what a request needs: its whole uncomputed prompt (a preempted one's
+        # output too) and its expected growth, beside what the running still need — never
+        # by its first chunk alone, which lets a prompt in that the pool cannot finish.
+        committed = self._committed()
         while can_admit and self.waiting and budget > 0 and self.pool.num_free_seqs > 0:
             req = self.waiting[0]
             n = timer.grant(
@@ -195,6 +203,10 @@ class Scheduler:
             )
             if n < 1 or self.pool.free - n < self.cfg.kv_watermark or n > self.pool.free:
                 break
+            need = req.num_uncomputed + self.growth.cells(req.max_tokens - len(req.output_ids))
+            if self.running and self.pool.free - committed - need < self.cfg.kv_watermark:
+                break
+            committed += need - n
             self.waiting.popleft()
             req.seq_id = self.pool.open()
             req.status = RequestStatus.RUNNING
@@ -223,6 +235,16 @@ class Scheduler:
         self.pool.sanity_checks()
         return out
 
+    def _committed(self) -> int:
+        """Cells the running requests will still take beyond what they hold: the rest of
+        their prompts and their expected growth."""
+        total = 0
+        for r in self.running:
+            assert r.seq_id is not None
+            total += max(0, r.num_tokens - self.pool.cells(r.seq_id))
+            total += self.growth.cells(r.max_tokens - len(r.output_ids))
+        return total
+
     def _chunk_cap(self) -> int:
         return self.cfg.max_prefill_chunk or self.cfg.max_num_batched_tokens
 
@@ -235,7 +257,9 @@ class Scheduler:
         """
         preempted = 0
         while self.pool.free < n:
-            victim = self.running[-1]
+            self.growth.preempted()
+            # the least work lost: the fewest computed tokens, the newest among equals
+            victim = min(reversed(self.running), key=lambda r: r.num_computed)
             plan.pop(victim.req_id, None)
             self._preempt(victim)
             preempted += 1

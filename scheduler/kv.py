@@ -6,6 +6,8 @@ the scheduler mirrors its use here so admission and preemption never need to ask
 
 from __future__ import annotations
 
+import math
+
 
 class KVPool:
     def __init__(self, capacity: int, num_seqs: int) -> None:
@@ -56,3 +58,34 @@ class KVPool:
         assert 0 <= self.used <= self.capacity, "pool over capacity"
         assert len(self._free_seqs) + len(self._cells) == self.num_seqs, "seq ids leaked"
         assert not set(self._free_seqs) & set(self._cells), "seq id both free and open"
+
+
+class GrowthEstimate:
+    """How much of its remaining `max_tokens` a running request is expected to still need
+    in KV (SGLang's `new_token_ratio`): admission keeps that many cells for every running
+    request, so a newcomer is not let in only to be preempted when the others grow.
+
+    Requests mostly stop well before `max_tokens`, so the share starts at `INIT` and decays
+    every step toward `FLOOR`; a preemption shows the reserve was short, and puts it back
+    to 1 (everything they may still generate).
+    """
+
+    INIT = 0.7
+    FLOOR = 0.1
+    DECAY = 0.002  # per step
+    CLIP = 4096  # remaining tokens counted per request at most (a default max_tokens is huge)
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.ratio = self.INIT if enabled else 0.0
+
+    def cells(self, remaining_tokens: int) -> int:
+        return math.ceil(self.ratio * min(max(remaining_tokens, 0), self.CLIP))
+
+    def step(self) -> None:
+        if self.enabled:
+            self.ratio = max(self.FLOOR, self.ratio - self.DECAY)
+
+    def preempted(self) -> None:
+        if self.enabled:
+            self.ratio = 1.0

@@ -448,8 +448,44 @@ def test_a_lane_others_wait_on_bounds_its_prompt_chunks() -> None:
 # ---- preemption -------------------------------------------------------------------------
 
 
-def test_newest_request_is_preempted_then_resumed_with_exact_output() -> None:
-    d = Driver(cfg(max_num_seqs=2, kv_capacity=30, max_num_batched_tokens=16))
+def test_a_pool_for_two_prompts_serves_ten_without_thrashing() -> None:
+    """Admission by the whole prompt plus the running requests' expected growth: with a
+    pool for about two prompts, ten prompts of 30-45% of it run about two at a time and
+    are never preempted (admitting by the first chunk let a third in, and preempted over
+    and over)."""
+    rng = random.Random(7)
+    d = Driver(cfg(max_num_seqs=8, kv_capacity=100, max_num_batched_tokens=16, max_waiting=64))
+    for i in range(10):
+        d.add(make_request(f"r{i}", prompt(rng.randint(30, 45), i), 12))
+    most = 0
+    while d.sched.has_work:
+        d.step()
+        most = max(most, len(d.sched.running))
+    for i in range(10):
+        d.assert_matches_reference(f"r{i}")
+    assert sum(r.num_preemptions for r in d.reqs.values()) == 0
+    assert most == 2
+
+
+def test_the_victim_is_the_request_with_the_least_computed() -> None:
+    """Preemption throws away the victim's KV: the one with the fewest computed tokens
+    costs the least to recompute, newest or not."""
+    d = Driver(cfg(max_num_seqs=3, kv_capacity=50, max_num_batched_tokens=16, reserve_growth=False))
+    old = d.add(make_request("old", prompt(3), 30))  # short prompt, long output
+    big = d.add(make_request("big", prompt(14, 1), 30))  # newer, more computed
+    while big.num_computed < 14:
+        d.step()
+    assert old.num_computed < big.num_computed
+    while not (old.num_preemptions or big.num_preemptions):
+        d.step()
+    assert old.num_preemptions == 1 and big.num_preemptions == 0
+    d.run()
+    d.assert_matches_reference("old")
+    d.assert_matches_reference("big")
+
+
+def test_the_request_with_least_work_done_is_preempted_then_resumed_exactly() -> None:
+    d = Driver(cfg(max_num_seqs=2, kv_capacity=30, max_num_batched_tokens=16, reserve_growth=False))
     a = d.add(make_request("a", prompt(8), 14))  # needs 8 + 13 cells
     b = d.add(make_request("b", prompt(6, 1), 10))  # needs 6 + 9 cells
     c = d.add(make_request("c", prompt(2, 2), 2))  # waits for a seq id
@@ -480,7 +516,15 @@ def test_preempted_request_is_not_readmitted_in_the_same_step() -> None:
     """Preemption frees cells for the running requests to grow into; handing them straight
     back to the victim (from position 0) throws its KV away for nothing and thrashes.
     vLLM v1 admits no waiting request in a step that preempted."""
-    d = Driver(cfg(max_num_seqs=2, kv_capacity=12, max_num_batched_tokens=8, max_prefill_chunk=3))
+    d = Driver(
+        cfg(
+            max_num_seqs=2,
+            kv_capacity=12,
+            max_num_batched_tokens=8,
+            max_prefill_chunk=3,
+            reserve_growth=False,
+        )
+    )
     d.add(make_request("a", prompt(2), 10))  # 2 + 9 cells: fits alone
     b = d.add(make_request("b", prompt(2, 1), 10))
     readmitted = []
@@ -498,7 +542,7 @@ def test_preempted_request_is_not_readmitted_in_the_same_step() -> None:
 
 
 def test_preemption_with_many_requests_matches_reference() -> None:
-    d = Driver(cfg(max_num_seqs=4, kv_capacity=40, max_num_batched_tokens=12))
+    d = Driver(cfg(max_num_seqs=4, kv_capacity=40, max_num_batched_tokens=12, reserve_growth=False))
     for i in range(8):
         d.add(make_request(f"r{i}", prompt(3 + 2 * i, i), 30 - 2 * i))
     d.run()
