@@ -35,6 +35,11 @@ class Metrics:
         self.waiting = lane_gauge("onegpu_requests_waiting", "Requests queued for a sequence")
         self.kv_used = lane_gauge("onegpu_kv_cache_used_cells", "KV cells held by sequences")
         self.kv_capacity = lane_gauge("onegpu_kv_cache_capacity_cells", "KV cells in the pool")
+        self.kv_reserved = lane_gauge(
+            "onegpu_kv_cache_reserved_cells",
+            "KV cells the running requests will still take (rest of their prompts, expected "
+            "growth): what admission keeps free for them",
+        )
         self.lane_requests = lane_counter(
             "onegpu_lane_requests", "Requests accepted, by numerics lane"
         )
@@ -52,6 +57,11 @@ class Metrics:
         )
         self.preemptions = Counter(
             "onegpu_preemptions", "Requests preempted for KV space (recomputed later)", registry=r
+        )
+        self.recomputed = Counter(
+            "onegpu_recomputed_tokens",
+            "Computed tokens preemption threw away, to be computed again on resume",
+            registry=r,
         )
         self.ttft = Histogram(
             "onegpu_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY,
@@ -184,6 +194,9 @@ class Metrics:
         self.waiting.labels(lane=lane).set(s.num_waiting)
         self.kv_used.labels(lane=lane).set(s.kv_used)
         self.kv_capacity.labels(lane=lane).set(s.kv_capacity)
+        self.kv_reserved.labels(lane=lane).set(s.kv_reserved)
+        if s.num_recomputed_tokens:
+            self.recomputed.inc(s.num_recomputed_tokens)
         if s.num_prompt_tokens:
             self.prompt_tokens.inc(s.num_prompt_tokens)
         if s.num_generated_tokens:

@@ -61,6 +61,7 @@ class Scheduler:
         self.cfg = cfg
         self.pool = KVPool(cfg.kv_capacity, cfg.max_num_seqs)
         self.growth = GrowthEstimate(cfg.reserve_growth)
+        self._recomputed = 0  # tokens preemption threw away since the last stats
         self.cost = StepCostModel(cfg.ubatch, cfg.attention_tile)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -274,6 +275,7 @@ class Scheduler:
         self._release_seq(req)
         self.running.remove(req)
         req.status = RequestStatus.WAITING
+        self._recomputed += req.num_computed
         req.num_computed = 0
         req.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -426,4 +428,6 @@ class Scheduler:
         stats.num_waiting = len(self.waiting)
         stats.kv_used = self.pool.used
         stats.kv_capacity = self.pool.capacity
+        stats.kv_reserved = self._committed()
+        stats.num_recomputed_tokens, self._recomputed = self._recomputed, 0
         return stats

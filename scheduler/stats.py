@@ -26,12 +26,14 @@ class StepStats:
     num_waiting: int = 0
     kv_used: int = 0
     kv_capacity: int = 0
+    kv_reserved: int = 0  # cells the running will still take: prompts' rest, expected growth
     num_step_tokens: int = 0
     num_step_seqs: int = 0
     num_step_prompt_tokens: int = 0  # prompt-chunk tokens in this step
     num_prompt_tokens: int = 0  # prompt tokens whose prefill completed in this step
     num_generated_tokens: int = 0
     num_preempted: int = 0
+    num_recomputed_tokens: int = 0  # computed tokens preemption threw away (to compute again)
     schedule_s: float = 0.0  # schedule(): which tokens go in
     fill_s: float = 0.0  # engine: releases, sampler starts, batch fill
     decode_s: float = 0.0  # inside llama_decode

@@ -476,9 +476,13 @@ def test_the_victim_is_the_request_with_the_least_computed() -> None:
     while big.num_computed < 14:
         d.step()
     assert old.num_computed < big.num_computed
-    while not (old.num_preemptions or big.num_preemptions):
-        d.step()
+    while True:
+        lost = old.num_computed
+        s = d.step()
+        if old.num_preemptions or big.num_preemptions:
+            break
     assert old.num_preemptions == 1 and big.num_preemptions == 0
+    assert s.stats is not None and s.stats.num_recomputed_tokens == lost  # what it threw away
     d.run()
     d.assert_matches_reference("old")
     d.assert_matches_reference("big")
