@@ -290,7 +290,7 @@ def test_one_client_cannot_lock_the_others_out_of_the_queue(
             async def one() -> None:
                 nonlocal refused
                 while not stop.is_set():
-                    r = await h.post(hardened.url + CHAT, json=chat("Hi.", max_tokens=2))
+                    r = await h.post(hardened.url + CHAT, json=chat("Hi.", max_tokens=1))
                     refused += r.status_code == 429
                     assert r.status_code in (200, 429), r.text
                     await asyncio.sleep(0.1 if r.status_code == 429 else 0.01)
@@ -307,7 +307,7 @@ def test_one_client_cannot_lock_the_others_out_of_the_queue(
     def other() -> None:
         with Conn(hardened, OTHER) as conn:
             for _ in range(6):
-                status, body = conn.post(CHAT, chat("Name a colour.", max_tokens=3))
+                status, body = conn.post(CHAT, chat("Name a colour.", max_tokens=1))
                 served.append(status)
                 assert status == 200, body
 
