@@ -54,9 +54,14 @@ def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     return stops
 
 
+def context_limit(state: ServerState, lane: str) -> int:
+    """Most tokens of prompt + completion in `lane`."""
+    return state.repro_max_len if lane == REPRODUCIBLE else state.max_model_len
+
+
 def max_tokens_for(state: ServerState, n_prompt: int, asked: int | None, lane: str = FAST) -> int:
     """Resolve max_tokens against the lane's context; 400 when prompt + max_tokens cannot fit."""
-    limit = state.repro_max_len if lane == REPRODUCIBLE else state.max_model_len
+    limit = context_limit(state, lane)
     if n_prompt == 0:
         raise InvalidRequest("the prompt is empty", param="prompt")
     if asked is None:

@@ -24,11 +24,12 @@ from api.generation import (
     SHUTDOWN,
     Choice,
     Submission,
+    context_limit,
     max_tokens_for,
     sampling_params,
     stop_strings,
 )
-from api.lanes import REPRODUCIBLE, resolve_lane
+from api.lanes import resolve_lane
 from api.prompts import chat_prompt, completion_prompts
 from api.schemas import (
     CHAT_DECODER,
@@ -78,11 +79,6 @@ def _check_model(state: ServerState, name: str) -> None:
     if name not in state.aliases:
         raise ModelNotFound(f"The model `{name}` does not exist; this server serves "
                             f"`{state.model_name}`.", param="model")  # fmt: skip
-
-
-def _limit(state: ServerState, lane: str) -> int:
-    """Most tokens of prompt + completion in `lane`."""
-    return state.repro_max_len if lane == REPRODUCIBLE else state.max_model_len
 
 
 def _usage(choices_prompt: int, completion: int) -> Usage:
@@ -186,7 +182,7 @@ async def chat_completions(request: Request) -> Response:
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     sub = Submission(state, rid, lane, client_of(request.scope))
     with sub.admission(req.n):
-        ids = await chat_prompt(state, messages, _limit(state, lane))
+        ids = await chat_prompt(state, messages, context_limit(state, lane))
         asked = req.max_completion_tokens or req.max_tokens
         max_tokens = max_tokens_for(state, len(ids), asked, lane)
         for i in range(req.n):
@@ -261,7 +257,7 @@ async def completions(request: Request) -> Response:
     rid = f"cmpl-{uuid.uuid4().hex}"
     sub = Submission(state, rid, lane, client_of(request.scope))
     with sub.admission(n_prompts * req.n, "prompt" if n_prompts > 1 else "n"):
-        prompts = await completion_prompts(state, req.prompt, _limit(state, lane))
+        prompts = await completion_prompts(state, req.prompt, context_limit(state, lane))
         limits = [max_tokens_for(state, len(p), req.max_tokens or 16, lane) for p in prompts]
         for ids, max_tokens in zip(prompts, limits, strict=True):
             for i in range(req.n):
