@@ -33,6 +33,7 @@ from api.openapi import openapi_json
 from api.planning import Placement, describe
 from api.state import ServerSettings, ServerState, server_state
 from engine.chat_template import ChatTemplate
+from engine.gguf_meta import read_meta
 from engine.model import Model
 from engine.runner import Engine
 from scheduler.core import Scheduler, SchedulerConfig
@@ -76,12 +77,17 @@ def _state(
     if tile and ubatch % tile:
         log.warning("--n-ubatch %d is not a multiple of %d: steps not sized by tile", ubatch, tile)
         tile = 0
+    # Each cell of a swapped sequence: all layers' K and V (an f16 upper bound: sliding-
+    # window layers keep fewer), plus llama.cpp's per-cell position and sequence record.
+    cell_bytes = read_meta(settings.engine.model_path).kv_bytes_per_token + 12
     scheduler = Scheduler(
         SchedulerConfig(
             max_num_seqs=model.n_seq_max,
             kv_capacity=model.n_ctx,
             max_num_batched_tokens=budget,
             max_waiting=settings.max_waiting,
+            swap_cells=settings.swap_space // cell_bytes,
+            kv_bytes_per_cell=cell_bytes,
             max_stall_s=None if settings.max_stall_ms is None else settings.max_stall_ms / 1000,
             min_prefill_chunk=settings.min_prefill_chunk,
             ubatch=ubatch,

@@ -77,6 +77,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--repro-chunk", type=int, default=256,
                    help="prompt tokens per step in the reproducible lane (fixed)")  # fmt: skip
     s.add_argument("--max-waiting", type=int, default=256, help="queue bound before 429")
+    s.add_argument(
+        "--swap-space", type=_size, default=4 * 2**30, metavar="SIZE",
+        help="host RAM for preempted requests' KV (saved, restored on resume, where cheaper "
+        "than recomputing it; 0 = always recompute)",
+    )  # fmt: skip
     s.add_argument("--chat-template", type=Path, help="jinja2 chat template file")
     s.add_argument(
         "--api-key", action="append", default=[],
@@ -272,6 +277,7 @@ def _serve(args: argparse.Namespace) -> None:
         served_model_name=args.served_model_name,
         chat_template=args.chat_template,
         max_waiting=args.max_waiting,
+        swap_space=args.swap_space,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         max_stall_ms=args.max_stall_ms or None,

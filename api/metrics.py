@@ -56,8 +56,33 @@ class Metrics:
             registry=r,
         )
         self.preemptions = Counter(
-            "onegpu_preemptions", "Requests preempted for KV space (recomputed later)", registry=r
+            "onegpu_preemptions",
+            "Requests preempted for KV space, by what kept their work: swap (KV saved to host "
+            "RAM, restored on resume) or recompute",
+            ["kind"], registry=r,
+        )  # fmt: skip
+        self.swapped_bytes = Counter(
+            "onegpu_swapped_bytes", "KV bytes copied to (out) and from (in) host RAM",
+            ["direction"], registry=r,
+        )  # fmt: skip
+        for kind in ("swap", "recompute"):  # both series from the start, at 0
+            self.preemptions.labels(kind=kind)
+        for direction in ("out", "in"):
+            self.swapped_bytes.labels(direction=direction)
+        self.swap_time = Counter(
+            "onegpu_swap_seconds", "Engine time copying KV to and from host RAM", registry=r
         )
+        self.swap_used = lane_gauge(
+            "onegpu_swap_space_used_cells", "KV cells of preempted requests held in host RAM"
+        )
+        self.swap_capacity = lane_gauge(
+            "onegpu_swap_space_capacity_cells", "KV cells the host-RAM swap space holds"
+        )
+        self.kv_wait = Histogram(
+            "onegpu_request_kv_wait_seconds",
+            "Per finished request, the time it waited in the queue while KV kept it out",
+            buckets=_LATENCY, registry=r,
+        )  # fmt: skip
         self.recomputed = Counter(
             "onegpu_recomputed_tokens",
             "Computed tokens preemption threw away, to be computed again on resume",
@@ -202,7 +227,14 @@ class Metrics:
         if s.num_generated_tokens:
             self.generated_tokens.inc(s.num_generated_tokens)
         if s.num_preempted:
-            self.preemptions.inc(s.num_preempted)
+            self.preemptions.labels(kind="swap").inc(s.num_swapped_out)
+            self.preemptions.labels(kind="recompute").inc(s.num_preempted - s.num_swapped_out)
+        if s.swap_out_bytes or s.swap_in_bytes:
+            self.swapped_bytes.labels(direction="out").inc(s.swap_out_bytes)
+            self.swapped_bytes.labels(direction="in").inc(s.swap_in_bytes)
+            self.swap_time.inc(s.swap_s)
+        self.swap_used.labels(lane=lane).set(s.swap_used_cells)
+        self.swap_capacity.labels(lane=lane).set(s.swap_capacity_cells)
         if s.num_step_tokens:
             self.lane_steps.labels(lane=lane).inc()
             self.lane_step_time.labels(lane=lane).inc(s.step_s)
@@ -217,6 +249,7 @@ class Metrics:
         for f in s.finished:
             self.finished.labels(finish_reason=f.finish_reason).inc()
             self.e2e.observe(f.e2e_s)
+            self.kv_wait.observe(f.kv_wait_s)
             if f.max_gap_s is not None:
                 self.max_gap.observe(f.max_gap_s)
 

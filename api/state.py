@@ -30,6 +30,7 @@ class ServerSettings:
     served_model_name: str | None = None
     chat_template: Path | None = None
     max_waiting: int = 256
+    swap_space: int = 4 * 2**30  # host-RAM bytes for preempted requests' KV (0 = none)
     max_num_batched_tokens: int | None = None  # per step; None = the context's n_batch
     max_model_len: int | None = None  # per request; None = min(n_ctx, training context)
     max_stall_ms: float | None = 250.0  # step-time target while others decode (None = off)

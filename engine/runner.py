@@ -18,6 +18,7 @@ import numpy as np
 
 from engine.context import Context
 from engine.errors import InvalidBatch, raise_for_decode
+from engine.kv_swap import SwapStore
 from engine.model import Model
 from engine.native_step import NativeStep
 from engine.sampling import SamplerBank
@@ -63,15 +64,25 @@ class Engine:
         self.sampler = SamplerBank(
             ll, self._ctx, model.n_vocab, self.native, threads, self.context.device_greedy
         )
+        self.swap = SwapStore(ll, self._ctx)
 
     def step(self, batch: StepBatch) -> StepResult:
-        """Release finished sequences, start new ones, decode the batch, sample.
+        """Save swapped-out sequences, release finished ones, start new ones, restore
+        swapped-in ones, decode the batch, sample.
 
         Raises `InvalidBatch` before submitting anything llama.cpp would abort on, and the
-        typed errors of `raise_for_decode` for the backend's return codes.
+        typed errors of `raise_for_decode` for the backend's return codes. A sequence whose
+        KV could not be restored is left out of the step and named in the result.
         """
         t_start = time.perf_counter()
         ids = self._llama_id
+        swap = StepResult({})
+        for seq_id, key in batch.swap_out:
+            n = self.swap.save(key, ids.get(seq_id, seq_id))
+            swap.swap_out_bytes += n
+            if not n:
+                swap.swap_out_failed.append(key)
+        t_saved = time.perf_counter()
         for seq_id in batch.released:
             self.context.seq_rm(ids.pop(seq_id, seq_id))
             self.sampler.release(seq_id)
@@ -79,14 +90,37 @@ class Engine:
             self.context.seq_rm(ids.pop(s.seq_id, s.seq_id))
             on_device = self.sampler.start(s)
             ids[s.seq_id] = s.seq_id + self.context.n_slots if on_device else s.seq_id
-        if not batch.chunks:
+        t_restore = time.perf_counter()
+        chunks = batch.chunks
+        if batch.swap_in:
+            lost = set()
+            for key, seq_id in batch.swap_in:
+                n = self.swap.restore(key, ids.get(seq_id, seq_id))
+                swap.swap_in_bytes += n
+                if not n:
+                    swap.swap_in_failed.append(key)
+                    lost.add(seq_id)
+            chunks = [c for c in chunks if c.seq_id not in lost]
+        for key in batch.swap_drop:
+            self.swap.drop(key)
+        swap.swap_out_s = t_saved - t_start
+        swap.swap_in_s = time.perf_counter() - t_restore
+        t_start += swap.swap_out_s + swap.swap_in_s  # the step's fill time excludes swaps
+        result = self._run(chunks, t_start)
+        result.swap_out_s, result.swap_in_s = swap.swap_out_s, swap.swap_in_s
+        result.swap_out_bytes, result.swap_in_bytes = swap.swap_out_bytes, swap.swap_in_bytes
+        result.swap_out_failed, result.swap_in_failed = swap.swap_out_failed, swap.swap_in_failed
+        return result
+
+    def _run(self, chunks: list[SeqChunk], t_start: float) -> StepResult:
+        if not chunks:
             return StepResult({}, fill_s=time.perf_counter() - t_start)
         if not self.solo:
-            return self._decode(batch.chunks, t_start)
+            return self._decode(chunks, t_start)
         # Reproducible lane: each sequence alone in its own llama_decode, so its numerics
         # depend on nothing but itself (FINDINGS, "Determinism").
         result = StepResult({}, fill_s=0.0)
-        for c in batch.chunks:
+        for c in chunks:
             part = self._decode([c], t_start)
             result.sampled.update(part.sampled)
             result.fill_s += part.fill_s
@@ -144,5 +178,6 @@ class Engine:
         return self.context.seq_pos_max(self._llama_id.get(seq_id, seq_id))
 
     def close(self) -> None:
+        self.swap.clear()
         self.sampler.close()
         self.native.close()

@@ -67,6 +67,11 @@ class StepBatch:
     chunks: list[SeqChunk]
     starts: list[SeqStart] = field(default_factory=list)
     released: list[int] = field(default_factory=list)  # seq ids whose KV and sampler to drop
+    # KV moved to and from host RAM (preemption that keeps the work, see engine.kv_swap):
+    # saved before `released` is applied, restored after `starts`, in this order.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (seq id, swap key)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (swap key, seq id)
+    swap_drop: list[int] = field(default_factory=list)  # swap keys no longer wanted
 
     @property
     def num_tokens(self) -> int:
@@ -91,3 +96,11 @@ class StepResult:
     decode_s: float = 0.0  # time inside llama_decode
     sample_s: float = 0.0  # time sampling and computing logprobs
     gil_s: float = 0.0  # after the native step, waiting for Python's GIL (another thread held it)
+    swap_out_s: float = 0.0  # saving KV to host RAM
+    swap_in_s: float = 0.0  # restoring it
+    swap_out_bytes: int = 0
+    swap_in_bytes: int = 0
+    # Swap keys the engine could not save (their requests recompute) or restore (their
+    # chunks were left out of the step; they recompute too).
+    swap_out_failed: list[int] = field(default_factory=list)
+    swap_in_failed: list[int] = field(default_factory=list)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from engine.step_types import Sampled, SeqChunk, SeqStart, StepBatch, StepResult
 from scheduler.budget import StepCostModel, StepTimeBudget
-from scheduler.kv import GrowthEstimate, KVPool
+from scheduler.kv import GrowthEstimate, KVPool, SwapCost, SwapSpace
 from scheduler.request import Request, RequestOutput, RequestStatus
 from scheduler.stats import FinishedStats, StepStats
 
@@ -35,6 +35,8 @@ class SchedulerConfig:
     min_prefill_chunk: int = 32  # prompt tokens a step always grants: prefill progresses
     ubatch: int = 0  # llama.cpp's physical batch: bounded steps avoid a short last one
     attention_tile: int = 0  # query rows per attention tile (ggml CPU: 64), the same
+    swap_cells: int = 0  # host-RAM pool for preempted sequences' KV, in cells (0 = none)
+    kv_bytes_per_cell: int = 0  # what one cell takes there (all layers' K and V)
 
 
 @dataclass(slots=True)
@@ -51,7 +53,7 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         b = self.batch
-        return not (b.chunks or b.released or b.starts)
+        return not (b.chunks or b.released or b.starts or b.swap_out or b.swap_drop)
 
 
 class Scheduler:
@@ -62,6 +64,15 @@ class Scheduler:
         self.pool = KVPool(cfg.kv_capacity, cfg.max_num_seqs)
         self.growth = GrowthEstimate(cfg.reserve_growth)
         self._recomputed = 0  # tokens preemption threw away since the last stats
+        self.swap = SwapSpace(cfg.swap_cells)
+        self.swap_cost = SwapCost(cfg.kv_bytes_per_cell)
+        self._swapped: dict[int, Request] = {}  # swap key -> its (waiting) request
+        self._swap_out: list[tuple[int, int]] = []  # for the next batch: (seq id, key)
+        self._swap_drop: list[int] = []
+        self._num_preempted = 0  # since the last stats, all kinds
+        self._num_swapped_out = 0  # of which swapped
+        self._kv_blocked_since: float | None = None  # the queue's head waits for KV since
+        self._now = 0.0  # the time of the last schedule()
         self.cost = StepCostModel(cfg.ubatch, cfg.attention_tile)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -128,13 +139,16 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._aborts or self._released)
+        return bool(
+            self.waiting or self.running or self._aborts or self._released or self._swap_drop
+        )
 
     # ---- schedule --------------------------------------------------------------------
     def schedule(self, now: float, others_waiting: bool = False) -> SchedulerOutput:
         """The next step. `others_waiting`: requests of another lane wait for this step to
         end (lanes step one after the other), so it is bounded by the stall target as if
         they decoded here, and never a burst's."""
+        self._now = now
         self._apply_aborts(now)
         budget = self.cfg.max_num_batched_tokens
         plan: dict[str, tuple[Request, int]] = {}  # insertion order = batch order
@@ -194,7 +208,11 @@ class Scheduler:
         # Admission by what a request needs: its whole uncomputed prompt (a preempted one's
         # output too) and its expected growth, beside what the running still need — never
         # by its first chunk alone, which lets a prompt in that the pool cannot finish.
+        # A swapped-out request brings back the cells it held (`num_computed`; a new or
+        # recomputing one holds none).
         committed = self._committed()
+        swap_in: list[tuple[int, int]] = []
+        kv_blocked = False
         while can_admit and self.waiting and budget > 0 and self.pool.num_free_seqs > 0:
             req = self.waiting[0]
             n = timer.grant(
@@ -202,28 +220,37 @@ class Scheduler:
                 req.num_computed,
                 req.num_uncomputed,
             )
-            if n < 1 or self.pool.free - n < self.cfg.kv_watermark or n > self.pool.free:
+            if n < 1:
+                break
+            held = req.num_computed
+            if self.pool.free - held - n < self.cfg.kv_watermark or held + n > self.pool.free:
+                kv_blocked = True
                 break
             need = req.num_uncomputed + self.growth.cells(req.max_tokens - len(req.output_ids))
-            if self.running and self.pool.free - committed - need < self.cfg.kv_watermark:
+            if self.running and self.pool.free - committed - held - need < self.cfg.kv_watermark:
+                kv_blocked = True
                 break
             committed += need - n
             self.waiting.popleft()
+            self._note_kv_wait(req, now)
             req.seq_id = self.pool.open()
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
             self.running.append(req)
             starts.append(SeqStart(req.seq_id, req.params, list(req.output_ids)))
-            self.pool.grow(req.seq_id, n)
+            if req.swap_key is not None:  # it leaves the swap space once restored
+                swap_in.append((req.swap_key, req.seq_id))
+            self.pool.grow(req.seq_id, held + n)
             plan[req.req_id] = (req, n)
             budget -= n
+        self._kv_blocked(kv_blocked, now)
 
+        batch = StepBatch([], starts, self._released, self._swap_out, swap_in, self._swap_drop)
         out = SchedulerOutput(
-            StepBatch([], starts, self._released), num_preempted=preempted, num_decode=n_decode,
-            bounded=timer.bounded,
-        )  # fmt: skip
-        self._released = []
+            batch, num_preempted=preempted, num_decode=n_decode, bounded=timer.bounded
+        )
+        self._released, self._swap_out, self._swap_drop = [], [], []
         for req, n in plan.values():
             assert req.seq_id is not None
             pos0 = req.num_computed
@@ -234,7 +261,25 @@ class Scheduler:
                 out.prompt_chunks.append((n, pos0))
         assert out.batch.num_tokens <= self.cfg.max_num_batched_tokens, "step over budget"
         self.pool.sanity_checks()
+        self.swap.sanity_checks()
         return out
+
+    def _note_kv_wait(self, req: Request, now: float) -> None:
+        """A request leaves the queue: count the time KV kept it out."""
+        since = self._kv_blocked_since
+        if since is not None:
+            joined = req.arrival_time if req.queued_time is None else req.queued_time
+            req.kv_wait_s += max(0.0, now - max(since, joined))
+
+    def _kv_blocked(self, blocked: bool, now: float) -> None:
+        """The queue's head was (or was no longer) kept out by KV: everyone queued behind
+        it waits for KV too, so on the change each request's share is counted."""
+        if blocked and self._kv_blocked_since is None:
+            self._kv_blocked_since = now
+        elif not blocked and self._kv_blocked_since is not None:
+            for req in self.waiting:
+                self._note_kv_wait(req, now)
+            self._kv_blocked_since = None
 
     def _committed(self) -> int:
         """Cells the running requests will still take beyond what they hold: the rest of
@@ -271,18 +316,74 @@ class Scheduler:
         return True, preempted
 
     def _preempt(self, req: Request) -> None:
-        """Free its KV and put it first in line; it recomputes prompt + output on resume."""
+        """Free its KV and put it first in line. Its KV goes to host RAM when that is
+        cheaper than computing it again (`_swap_is_cheaper`); else it recomputes prompt +
+        output on resume."""
+        assert req.seq_id is not None
+        if self._swap_is_cheaper(req.num_computed):
+            key = self.swap.take(req.num_computed)
+            self._swap_out.append((req.seq_id, key))
+            self._swapped[key] = req
+            req.swap_key = key
+            self._num_swapped_out += 1
+        else:
+            self._recomputed += req.num_computed
+            req.num_computed = 0
         self._release_seq(req)
         self.running.remove(req)
         req.status = RequestStatus.WAITING
+        req.queued_time = self._now
+        req.num_preemptions += 1
+        self._num_preempted += 1
+        self.waiting.appendleft(req)
+
+    def _swap_is_cheaper(self, cells: int) -> bool:
+        """Swap a victim's `cells` out and back in, or recompute them? By the two cost
+        models: the copy rate learned from swaps, the prefill time learned from steps (in
+        full-budget chunks, as a resumed prompt runs alone at best). Before any prompt
+        step was measured, swap: it keeps the work. No room in the swap space: recompute."""
+        if not self.swap.fits(cells):
+            return False
+        if not self.cost.knows_prompts:
+            return True
+        b = self.cfg.max_num_batched_tokens
+        redo = sum(self.cost.chunk_time(min(b, cells - d), d) for d in range(0, cells, b))
+        return self.swap_cost.seconds(cells) < redo
+
+    def _unswap(self, req: Request) -> None:
+        """Its KV left the swap space (restored, dropped, or lost)."""
+        assert req.swap_key is not None
+        self.swap.give(req.swap_key)
+        del self._swapped[req.swap_key]
+        req.swap_key = None
+
+    def _swaps_done(self, out: SchedulerOutput, lost: list[int]) -> None:
+        """The step's swaps ran: restored sequences leave the swap space; one the engine
+        could not save or restore recomputes."""
+        for key in lost:
+            self._swap_lost(key)
+        for key, _ in out.batch.swap_in:
+            req = self._swapped.get(key)
+            if req is not None:
+                self._unswap(req)
+
+    def _swap_lost(self, key: int) -> None:
+        req = self._swapped.get(key)
+        if req is None:
+            return
+        self._unswap(req)
+        if req.status is RequestStatus.RUNNING:  # its restore failed: queue it again
+            self._release_seq(req)
+            self.running.remove(req)
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
         self._recomputed += req.num_computed
         req.num_computed = 0
-        req.num_preemptions += 1
-        self.waiting.appendleft(req)
 
     def rollback_kv_full(self, out: SchedulerOutput) -> None:
         """The backend found no KV slot despite our accounting (llama.cpp left its cache as
         before the call): undo the step's reservations and preempt the newest request."""
+        self._swaps_done(out, [])  # restores ran before the decode that failed
         for req, chunk in zip(out.reqs, out.batch.chunks, strict=True):
             if req.seq_id is not None:
                 self.pool.shrink(req.seq_id, len(chunk.tokens))
@@ -312,6 +413,12 @@ class Scheduler:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
             self._kv_backoff = False
+        if req.swap_key is not None:
+            if req.status is RequestStatus.WAITING:  # else its restore was already sent
+                self._swap_drop.append(req.swap_key)
+            self._unswap(req)
+        if req.status is RequestStatus.WAITING:
+            self._note_kv_wait(req, now)
         self._release_seq(req)
         req.status = status
         del self._by_id[req.req_id]
@@ -324,6 +431,7 @@ class Scheduler:
                 e2e_s=now - req.arrival_time,
                 max_gap_s=req.max_gap_s if len(req.output_ids) > 1 else None,
                 queue_s=None if started is None else started - req.arrival_time,
+                kv_wait_s=req.kv_wait_s,
             )
         )
 
@@ -332,6 +440,9 @@ class Scheduler:
         self, out: SchedulerOutput, result: StepResult, now: float
     ) -> tuple[list[RequestOutput], StepStats]:
         """The one loop over a step's outputs: advance, append, detokenize, stop, finish."""
+        self._swaps_done(out, result.swap_out_failed + result.swap_in_failed)
+        self.swap_cost.observe(result.swap_out_bytes, result.swap_out_s)
+        self.swap_cost.observe(result.swap_in_bytes, result.swap_in_s)
         engine_s = result.fill_s + result.decode_s + result.sample_s
         self.cost.observe(out.num_decode, out.prompt_chunks, engine_s, planned=out.bounded)
         stats = StepStats(
@@ -341,11 +452,13 @@ class Scheduler:
             cost_bias=self.cost.bias,
             cost_headroom=StepTimeBudget.headroom(self.cost),
             num_step_seqs=len(out.batch.chunks),
-            num_preempted=out.num_preempted,
             fill_s=result.fill_s,
             decode_s=result.decode_s,
             sample_s=result.sample_s,
             gil_s=result.gil_s,
+            swap_out_bytes=result.swap_out_bytes,
+            swap_in_bytes=result.swap_in_bytes,
+            swap_s=result.swap_out_s + result.swap_in_s,
         )
         outputs: list[RequestOutput] = []
         for req, chunk in zip(out.reqs, out.batch.chunks, strict=True):
@@ -430,4 +543,8 @@ class Scheduler:
         stats.kv_capacity = self.pool.capacity
         stats.kv_reserved = self._committed()
         stats.num_recomputed_tokens, self._recomputed = self._recomputed, 0
+        stats.num_preempted, self._num_preempted = self._num_preempted, 0
+        stats.num_swapped_out, self._num_swapped_out = self._num_swapped_out, 0
+        stats.swap_used_cells = self.swap.used
+        stats.swap_capacity_cells = self.swap.capacity
         return stats

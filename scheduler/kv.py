@@ -89,3 +89,66 @@ class GrowthEstimate:
     def preempted(self) -> None:
         if self.enabled:
             self.ratio = 1.0
+
+
+class SwapSpace:
+    """The host-RAM pool for preempted sequences' KV (`--swap-space`), counted in cells
+    at the model's bytes per cell: a victim is swapped only if its cells fit, past which
+    it is recomputed. Each swapped sequence has a key the engine stores its bytes under."""
+
+    def __init__(self, capacity_cells: int) -> None:
+        self.capacity = max(0, capacity_cells)
+        self.used = 0
+        self._held: dict[int, int] = {}  # key -> cells
+        self._next_key = 0
+
+    def fits(self, cells: int) -> bool:
+        return 0 < cells <= self.capacity - self.used
+
+    def take(self, cells: int) -> int:
+        """Hold `cells` (caller checks `fits`); returns the swap key."""
+        key = self._next_key
+        self._next_key += 1
+        self._held[key] = cells
+        self.used += cells
+        return key
+
+    def give(self, key: int) -> int:
+        """Release a key (restored, failed or dropped); returns its cells."""
+        cells = self._held.pop(key)
+        self.used -= cells
+        return cells
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def sanity_checks(self) -> None:
+        assert self.used == sum(self._held.values()), "swap cells drifted"
+        assert 0 <= self.used <= self.capacity, "swap space over capacity"
+
+
+class SwapCost:
+    """Seconds to save a sequence's KV to host RAM and write it back on resume: the bytes
+    both ways times the copy time per byte, learned from the engine's swaps and started
+    from a prior measured on the slower of our machines. The average is of time per byte
+    (weighted to the newest), so one slow copy counts at once and fast ones win back
+    slowly: a wrong "swap" costs a stall, a wrong "recompute" only throughput."""
+
+    PRIOR_BYTES_PER_S = 2e9
+    GAIN = 0.3  # weight of the newest observation
+    MIN_BYTES = 1 << 20  # smaller copies time the call overhead, not the rate
+
+    def __init__(self, bytes_per_cell: int) -> None:
+        self.bytes_per_cell = bytes_per_cell
+        self.seconds_per_byte = 1.0 / self.PRIOR_BYTES_PER_S
+
+    @property
+    def bytes_per_s(self) -> float:
+        return 1.0 / self.seconds_per_byte
+
+    def seconds(self, cells: int) -> float:
+        return 2 * cells * self.bytes_per_cell * self.seconds_per_byte
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        if nbytes >= self.MIN_BYTES and seconds > 0:
+            self.seconds_per_byte += self.GAIN * (seconds / nbytes - self.seconds_per_byte)

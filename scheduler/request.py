@@ -65,6 +65,9 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     num_preemptions: int = 0
+    swap_key: int | None = None  # its KV waits in host RAM under this key (preempted)
+    queued_time: float | None = None  # when it last joined the queue (None: at arrival)
+    kv_wait_s: float = 0.0  # time it waited in the queue while KV kept it out
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

@@ -15,6 +15,7 @@ class FinishedStats:
     e2e_s: float
     queue_s: float | None  # None when it never got scheduled
     max_gap_s: float | None = None  # longest gap between two of its tokens
+    kv_wait_s: float = 0.0  # time it waited in the queue while KV kept it out
 
 
 @dataclass(slots=True)
@@ -32,8 +33,14 @@ class StepStats:
     num_step_prompt_tokens: int = 0  # prompt-chunk tokens in this step
     num_prompt_tokens: int = 0  # prompt tokens whose prefill completed in this step
     num_generated_tokens: int = 0
-    num_preempted: int = 0
+    num_preempted: int = 0  # requests preempted, all kinds
+    num_swapped_out: int = 0  # of which their KV went to host RAM (the rest recompute)
     num_recomputed_tokens: int = 0  # computed tokens preemption threw away (to compute again)
+    swap_out_bytes: int = 0
+    swap_in_bytes: int = 0
+    swap_s: float = 0.0  # engine time copying KV to and from host RAM
+    swap_used_cells: int = 0  # cells held in host RAM after the step
+    swap_capacity_cells: int = 0
     schedule_s: float = 0.0  # schedule(): which tokens go in
     fill_s: float = 0.0  # engine: releases, sampler starts, batch fill
     decode_s: float = 0.0  # inside llama_decode

@@ -89,6 +89,11 @@ class FakeEngine:
     when a batch does not fit, leaving the KV as before the call. `faults[i]` is raised by
     the i-th call (0-based) after releases and starts are applied, as the real engine does.
     `max_steps` turns a scheduler livelock into a prompt `ContractViolation`.
+
+    Swaps keep a sequence's cells under their key, as the real engine keeps their bytes:
+    saved before releases, restored after starts into a sequence that holds none.
+    `seconds_per_token` and `swap_bytes_per_s` make steps and copies report times (the
+    scheduler learns its cost models from them); `lose_swaps` are keys whose restore fails.
     """
 
     n_batch: int | None = None
@@ -99,6 +104,11 @@ class FakeEngine:
     kv: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     batches: list[StepBatch] = field(default_factory=list)
     num_steps: int = 0
+    seconds_per_token: float = 0.0
+    swap_bytes_per_s: float = 1e9
+    bytes_per_cell: int = 1
+    lose_swaps: set[int] = field(default_factory=set)
+    swapped: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
     @property
     def kv_used(self) -> int:
@@ -113,6 +123,12 @@ class FakeEngine:
         if self.max_steps is not None and i >= self.max_steps:
             raise ContractViolation(f"still stepping after {self.max_steps} steps (livelock?)")
         self.batches.append(batch)
+        swap = StepResult({})
+        for seq_id, key in batch.swap_out:
+            if seq_id not in self.kv or key in self.swapped:
+                raise ContractViolation(f"step {i}: swap out of seq {seq_id} as key {key}")
+            self.swapped[key] = list(self.kv[seq_id])
+            swap.swap_out_bytes += len(self.kv[seq_id]) * self.bytes_per_cell
         for seq_id in batch.released:
             if seq_id not in self.kv:
                 raise ContractViolation(f"step {i}: released seq {seq_id} is not live")
@@ -121,10 +137,27 @@ class FakeEngine:
             if s.seq_id in self.kv:
                 raise ContractViolation(f"step {i}: started seq {s.seq_id} is still live")
             self.kv[s.seq_id] = []
+        lost = set()
+        for key, seq_id in batch.swap_in:
+            if key not in self.swapped or self.kv.get(seq_id) != []:
+                raise ContractViolation(f"step {i}: swap in of key {key} to seq {seq_id}")
+            cells = self.swapped.pop(key)
+            if key in self.lose_swaps:
+                swap.swap_in_failed.append(key)
+                lost.add(seq_id)
+                continue
+            self.kv[seq_id] = cells
+            swap.swap_in_bytes += len(cells) * self.bytes_per_cell
+        for key in batch.swap_drop:
+            if self.swapped.pop(key, None) is None:
+                raise ContractViolation(f"step {i}: dropped swap key {key} is not held")
+        swap.swap_out_s = swap.swap_out_bytes / self.swap_bytes_per_s
+        swap.swap_in_s = swap.swap_in_bytes / self.swap_bytes_per_s
+        chunks = [c for c in batch.chunks if c.seq_id not in lost]
         if self.n_batch is not None and batch.num_tokens > self.n_batch:
             raise ContractViolation(f"step {i}: {batch.num_tokens} tokens > {self.n_batch}")
         seen: set[int] = set()
-        for c in batch.chunks:
+        for c in chunks:
             if c.seq_id not in self.kv:
                 raise ContractViolation(f"step {i}: chunk for seq {c.seq_id}, never started")
             if c.seq_id in seen:
@@ -142,13 +175,13 @@ class FakeEngine:
             raise self.faults.pop(i)
         if self.capacity is not None and self.kv_used + batch.num_tokens > self.capacity:
             raise KVCacheFull(f"{self.kv_used} + {batch.num_tokens} > {self.capacity}")
-        sampled: dict[int, Sampled] = {}
-        for c in batch.chunks:
+        for c in chunks:
             cells = self.kv[c.seq_id]
             cells.extend((c.pos0 + k, tok) for k, tok in enumerate(c.tokens))
             if c.sample:
-                sampled[c.seq_id] = Sampled(self.sample(self.history(c.seq_id)))
-        return StepResult(sampled)
+                swap.sampled[c.seq_id] = Sampled(self.sample(self.history(c.seq_id)))
+        swap.decode_s = self.seconds_per_token * sum(len(c.tokens) for c in chunks)
+        return swap
 
 
 def make_request(

@@ -242,6 +242,56 @@ def test_released_sequence_frees_kv_and_restarts_at_zero(open_engine: OpenEngine
     assert eng.seq_pos_max(1) == len(a) - 1
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3moe"])
+def test_swapped_out_sequence_resumes_from_host_ram(open_engine: OpenEngine, arch: str) -> None:
+    """Preemption that keeps the work: a sequence saved to host RAM, its cells released and
+    taken by another sequence, restored under a new seq id into whatever cells are free,
+    predicts its next token as if it had never left."""
+    eng = open_engine(arch)
+    n_vocab = eng.model.n_vocab
+    lp = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=n_vocab)
+    p = prompt_ids(eng)
+
+    def next_distribution(res_sampled: dict[int, Sampled], seq_id: int) -> np.ndarray:
+        top = res_sampled[seq_id].top_logprobs
+        assert top is not None
+        d = np.empty(n_vocab)
+        for tok, v in top:
+            d[tok] = v
+        return d
+
+    first = prefill(eng, p, lp, seq_id=0).token
+    ref = eng.step(StepBatch([SeqChunk(0, [first], len(p), True)]))
+    want = next_distribution(ref.sampled, 0)
+
+    assert prefill(eng, p, lp, seq_id=1).token == first
+    generate(eng, prompt_ids(eng, "hello world"), 2, seq_id=2)
+    res = eng.step(StepBatch([], released=[1], swap_out=[(1, 7)]))
+    assert res.swap_out_bytes > 0 and res.swap_out_failed == []
+    assert eng.seq_pos_max(1) == -1 and eng.swap.nbytes == res.swap_out_bytes
+    generate(eng, prompt_ids(eng, "the cells it freed go to someone else"), 2, seq_id=3)
+    back = eng.step(
+        StepBatch([SeqChunk(4, [first], len(p), True)], starts=[SeqStart(4, lp)],
+                  swap_in=[(7, 4)])
+    )  # fmt: skip
+    assert back.swap_in_bytes == res.swap_out_bytes and back.swap_in_failed == []
+    assert eng.seq_pos_max(4) == len(p) and len(eng.swap) == 0
+    np.testing.assert_allclose(next_distribution(back.sampled, 4), want, atol=1e-3)
+
+    # A key the store does not hold: the chunk is left out and named, nothing decoded.
+    lost = eng.step(
+        StepBatch([SeqChunk(5, [first], len(p), True)], starts=[SeqStart(5, lp)],
+                  swap_in=[(99, 5)])
+    )  # fmt: skip
+    assert lost.swap_in_failed == [99] and lost.sampled == {}
+    assert eng.seq_pos_max(5) == -1
+    # A dropped key frees its bytes.
+    eng.step(StepBatch([], swap_out=[(4, 8)]))
+    assert len(eng.swap) == 1
+    eng.step(StepBatch([], swap_drop=[8]))
+    assert len(eng.swap) == 0 and eng.seq_pos_max(4) == len(p)
+
+
 def test_oversized_or_invalid_batch_raises_instead_of_aborting(open_engine: OpenEngine) -> None:
     eng = open_engine(n_batch=32, n_seq_max=4)
     m = eng.model

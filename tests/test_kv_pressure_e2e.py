@@ -12,9 +12,11 @@ import asyncio
 import random
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.server_proc import Server, start_server
 from tests.tiny_gguf import Shape, write_llama
@@ -25,36 +27,52 @@ OUT = 48
 
 
 @pytest.fixture(scope="module")
-def pressed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    d = tmp_path_factory.mktemp("kv")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # big enough that a step costs more than the HTTP around it (~40M weights)
     shape = Shape(n_layer=6, n_embd=768, n_head=12, n_head_kv=4, head_dim=64, n_ff=2048)
-    model = write_llama(d / "tiny.gguf", seed=3, wtype="f16", shape=shape)
-    srv = start_server(
-        ["--model", str(model), "--served-model-name", "tiny", "--n-ctx", str(POOL),
-         "--n-seq-max", "16", "--repro-slots", "0"],
-        d / "server.log",
+    return write_llama(tmp_path_factory.mktemp("kv") / "tiny.gguf", seed=3, wtype="f16",
+                       shape=shape)  # fmt: skip
+
+
+def _serve(model: Path, *extra: str, pool: int = POOL) -> Server:
+    return start_server(
+        ["--model", str(model), "--served-model-name", "tiny", "--n-ctx", str(pool),
+         "--n-seq-max", "16", "--repro-slots", "0", *extra],
+        model.parent / f"server{'-'.join(extra)}.log",
     )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pressed(model: Path) -> Iterator[Server]:
+    srv = _serve(model)
     yield srv
     srv.stop()
 
 
+def _metric(server: Server, name: str, **labels: str) -> float:
+    """The sum of a metric's series (those with `labels`) on the server's /metrics."""
+    total, seen = 0.0, False
+    for family in text_string_to_metric_families(httpx.get(server.url + "/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and labels.items() <= sample.labels.items():
+                total, seen = total + sample.value, True
+    assert seen, f"no {name} {labels}"
+    return total
+
+
 def _preemptions(server: Server) -> float:
-    for line in httpx.get(server.url + "/metrics").text.splitlines():
-        if line.startswith("onegpu_preemptions_total "):
-            return float(line.split()[1])
-    raise AssertionError("no onegpu_preemptions_total")
+    return _metric(server, "onegpu_preemptions_total")
 
 
-async def _one(h: httpx.AsyncClient, server: Server, ids: list[int]) -> float:
-    body = {"model": "tiny", "prompt": ids, "max_tokens": OUT, "temperature": 0,
+async def _one(h: httpx.AsyncClient, server: Server, ids: list[int], out: int = OUT) -> float:
+    body = {"model": "tiny", "prompt": ids, "max_tokens": out, "temperature": 0,
             "ignore_eos": True}  # fmt: skip
     r = await h.post(server.base_url + "/completions", json=body)
     assert r.status_code == 200, r.text
     got = r.json()
     assert got["choices"][0]["finish_reason"] == "length"
-    assert got["usage"] == {"prompt_tokens": len(ids), "completion_tokens": OUT,
-                            "total_tokens": len(ids) + OUT}  # fmt: skip
+    assert got["usage"] == {"prompt_tokens": len(ids), "completion_tokens": out,
+                            "total_tokens": len(ids) + out}  # fmt: skip
     return time.monotonic()
 
 
@@ -85,3 +103,36 @@ def test_ten_prompts_for_a_two_prompt_pool_run_without_thrashing(pressed: Server
           "preemptions")  # fmt: skip
     assert preempted <= 10
     assert together <= 1.3 * serial, (together, serial)
+
+
+@pytest.mark.parametrize("swap_space", ["64M", "0"])
+def test_a_preempted_request_keeps_its_work_in_host_ram(model: Path, swap_space: str) -> None:
+    """Two requests that outgrow the pool together (20-token prompts, 150 tokens out each,
+    256 cells: both are admitted, as requests mostly stop early): one is preempted. With
+    swap space its KV goes to host RAM and comes back on resume — nothing recomputed, the
+    bytes out equal the bytes in; without, its prompt and output are recomputed. Both
+    requests complete exactly either way."""
+    srv = _serve(model, "--swap-space", swap_space, pool=256)
+    try:
+        rng = random.Random(5)
+        prompts = [[rng.randrange(3, 250) for _ in range(20)] for _ in range(2)]
+
+        async def main() -> None:
+            async with httpx.AsyncClient(timeout=600) as h:
+                await asyncio.gather(*(_one(h, srv, p, out=150) for p in prompts))
+
+        asyncio.run(main())
+        swapped = _metric(srv, "onegpu_preemptions_total", kind="swap")
+        recomputed = _metric(srv, "onegpu_preemptions_total", kind="recompute")
+        lost = _metric(srv, "onegpu_recomputed_tokens_total")
+        out = _metric(srv, "onegpu_swapped_bytes_total", direction="out")
+        back = _metric(srv, "onegpu_swapped_bytes_total", direction="in")
+        if swap_space == "0":
+            assert recomputed >= 1 and swapped == 0 and lost > 0 and out == 0
+        else:
+            assert swapped >= 1 and recomputed == 0 and lost == 0
+            assert out == back > 0
+        assert _metric(srv, "onegpu_swap_space_used_cells") == 0
+        assert _metric(srv, "onegpu_kv_cache_used_cells") == 0
+    finally:
+        srv.stop()

@@ -154,6 +154,12 @@ def check_mirror(sched: Scheduler, fake: FakeEngine) -> None:
             assert r.num_computed == 0
         total += r.num_computed
     assert sched.pool.used == total
+    # A swapped request's KV is in the engine's swap store, as many cells as it computed.
+    swapped = [r for r in sched.waiting if r.swap_key is not None]
+    assert sched.swap.used == sum(r.num_computed for r in swapped)
+    assert {r.swap_key: r.num_computed for r in swapped} == {
+        k: len(cells) for k, cells in fake.swapped.items()
+    }
 
 
 def cfg(**kw: int | None) -> SchedulerConfig:
@@ -553,6 +559,151 @@ def test_preemption_with_many_requests_matches_reference() -> None:
     assert sum(r.num_preemptions for r in d.reqs.values()) > 0
     for r in d.reqs:
         d.assert_matches_reference(r)
+
+
+def test_time_kept_out_by_kv_is_counted_per_request() -> None:
+    """A request that waits because the pool is full counts that wait, and so does the
+    queue behind a blocked head (it waits for KV too); one admitted at once counts none."""
+    d = Driver(cfg(max_num_seqs=4, kv_capacity=40, max_num_batched_tokens=32))
+    d.add(make_request("a", prompt(30), 5))
+    d.step()  # a holds 30 of 40 cells: b's 28 do not fit beside it, c waits behind b
+    d.add(make_request("b", prompt(28, 1), 5, arrival=d.now))
+    d.add(make_request("c", prompt(5, 2), 5, arrival=d.now))
+    waited: dict[int, float] = {}  # by prompt length
+    while d.sched.has_work:
+        s = d.step()
+        if s.stats is not None:
+            waited.update({f.num_prompt_tokens: f.kv_wait_s for f in s.stats.finished})
+    assert waited[30] == 0.0
+    assert waited[28] >= 3.0 and waited[5] >= 3.0  # a's five tokens take 4+ steps of 1 s
+
+
+def swap_cfg(**kw: int | None) -> SchedulerConfig:
+    """Preempts (no growth reserve) with room for every victim in the swap space."""
+    base: dict[str, int | None] = dict(
+        max_num_seqs=2, kv_capacity=30, max_num_batched_tokens=16, reserve_growth=False,
+        swap_cells=1_000, kv_bytes_per_cell=1,
+    )  # fmt: skip
+    base.update(kw)
+    return cfg(**base)
+
+
+def run_to_preemption(d: Driver, victim: Request) -> tuple[Step, int, int]:
+    """Step until `victim` is preempted: that step, the seq id and the cells it had."""
+    while True:
+        seq, computed = victim.seq_id, victim.num_computed
+        step = d.step()
+        if victim.num_preemptions:
+            assert seq is not None
+            return step, seq, computed
+
+
+def test_a_victim_swapped_to_host_ram_resumes_where_it_stopped() -> None:
+    """With swap space, preemption keeps the victim's KV (saved before its seq id is
+    released) and resumes it from there (restored into its new seq id before its next
+    chunk): nothing is recomputed and the output is what it would have been."""
+    d = Driver(swap_cfg(), FakeEngine(seconds_per_token=1e-3))
+    a = d.add(make_request("a", prompt(8), 14))
+    b = d.add(make_request("b", prompt(6, 1), 10))
+    step, seq, computed = run_to_preemption(d, b)
+    assert step.stats is not None
+    assert (step.stats.num_preempted, step.stats.num_swapped_out) == (1, 1)
+    assert step.stats.num_recomputed_tokens == 0
+    assert b.swap_key is not None and b.num_computed == computed > 0
+    assert step.out.batch.swap_out == [(seq, b.swap_key)]
+    assert seq in step.out.batch.released
+    key = b.swap_key
+    d.run()
+    resumed = next(s for s in d.steps if s.out.batch.swap_in)
+    chunk = resumed.out.batch.chunks[resumed.out.reqs.index(b)]
+    assert resumed.out.batch.swap_in == [(key, chunk.seq_id)]
+    assert chunk.pos0 == computed  # the restored cells are not fed again
+    assert a.num_preemptions == 0 and b.num_preemptions == 1
+    d.assert_matches_reference("a")
+    d.assert_matches_reference("b")
+    assert d.sched.swap.used == 0 and not d.fake.swapped
+
+
+def test_a_victim_that_does_not_fit_the_swap_space_is_recomputed() -> None:
+    d = Driver(swap_cfg(swap_cells=4), FakeEngine(seconds_per_token=1e-3))
+    d.add(make_request("a", prompt(8), 14))
+    b = d.add(make_request("b", prompt(6, 1), 10))
+    step, _, computed = run_to_preemption(d, b)
+    assert step.stats is not None and step.stats.num_swapped_out == 0
+    assert step.stats.num_recomputed_tokens == computed > 4
+    assert b.swap_key is None and not step.out.batch.swap_out
+    d.run()
+    d.assert_matches_reference("a")
+    d.assert_matches_reference("b")
+
+
+def test_a_swap_the_engine_could_not_restore_is_recomputed() -> None:
+    d = Driver(swap_cfg(), FakeEngine(seconds_per_token=1e-3, lose_swaps={0}))
+    d.add(make_request("a", prompt(8), 14))
+    b = d.add(make_request("b", prompt(6, 1), 10))
+    _, _, computed = run_to_preemption(d, b)
+    assert b.swap_key == 0
+    recomputed = 0
+    while d.sched.has_work:
+        s = d.step()
+        recomputed += s.stats.num_recomputed_tokens if s.stats else 0
+    assert recomputed == computed and b.num_preemptions == 1
+    d.assert_matches_reference("a")
+    d.assert_matches_reference("b")
+    assert d.sched.swap.used == 0
+
+
+def test_an_abandoned_swapped_request_frees_its_host_ram() -> None:
+    d = Driver(swap_cfg(), FakeEngine(seconds_per_token=1e-3))
+    d.add(make_request("a", prompt(8), 14))
+    b = d.add(make_request("b", prompt(6, 1), 10))
+    run_to_preemption(d, b)
+    key = b.swap_key
+    assert key is not None and d.sched.swap.used > 0
+    d.sched.abort("b", d.now)
+    assert d.sched.swap.used == 0
+    step = d.step()
+    assert step.out.batch.swap_drop == [key]
+    assert not d.fake.swapped
+    d.run()
+    d.assert_matches_reference("a")
+
+
+@pytest.mark.parametrize("copy_bytes_per_s", [1e11, 1e7])
+def test_swap_or_recompute_follows_the_measured_costs(copy_bytes_per_s: float) -> None:
+    """Each victim goes the cheaper way by the scheduler's two learned models: copying its
+    cells out and back (the engine's measured copy rate) against computing them again (the
+    measured prefill cost). Here a token costs 1 ms to compute and a cell is 256 KiB: a
+    fast copy (100 GB/s, 5 us a cell both ways) swaps every victim, a slow one (10 MB/s,
+    52 ms) recomputes every victim once a swap has shown how slow it is."""
+    cell = 1 << 18
+    fake = FakeEngine(seconds_per_token=1e-3, swap_bytes_per_s=copy_bytes_per_s,
+                      bytes_per_cell=cell)  # fmt: skip
+    d = Driver(
+        cfg(max_num_seqs=4, kv_capacity=40, max_num_batched_tokens=12, reserve_growth=False,
+            swap_cells=10_000, kv_bytes_per_cell=cell),
+        fake,
+    )  # fmt: skip
+    for i in range(8):
+        d.add(make_request(f"r{i}", prompt(3 + 2 * i, i), 30 - 2 * i))
+    steps: list[list[str]] = []  # the kind of each preemption, by step
+    thrown = 0  # computed tokens preemption threw away
+    while d.sched.has_work:
+        s = d.step().stats
+        thrown += s.num_recomputed_tokens if s is not None else 0
+        if s is not None and s.num_preempted:
+            recomputed = s.num_preempted - s.num_swapped_out
+            steps.append(["swap"] * s.num_swapped_out + ["recompute"] * recomputed)
+    for r in d.reqs:
+        d.assert_matches_reference(r)
+    kinds = [k for step in steps for k in step]
+    assert len(kinds) >= 3
+    if copy_bytes_per_s > 1e9:  # (a victim with nothing computed yet has nothing to swap)
+        assert "swap" in kinds and thrown == 0
+    else:  # before any copy was timed the prior says swap; after, never again
+        first = next(i for i, step in enumerate(steps) if "swap" in step)
+        assert {k for step in steps[first + 1 :] for k in step} == {"recompute"}, steps
+        assert thrown > 0
 
 
 def test_backend_kv_full_rolls_back_and_preempts_the_newest() -> None:
