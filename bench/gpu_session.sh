@@ -9,7 +9,8 @@
 #   hybrid-planned (the planned layout only, 3 repeats), hybrid-threads (the planned layout,
 #   our server at HYBRID_THREADS threads), compare-1r (every N, one repeat),
 #   hybrid-levers (the planned layout with all 16 threads, telemetry off, --no-mmap) and
-#   tap-cost (router telemetry on/off, engine only), native (engine alone, greedy and
+#   tap-cost (router telemetry on/off, engine only), kv-pressure (issue 19: bench.kv_pressure
+#   and bench.swap_cost), native (engine alone, greedy and
 #   typical, 1/8/32 sequences: the native decode-and-sample step). At the end every result file is
 #   concatenated into RESULTS/all.txt: the device returns only a few files.
 set -uo pipefail
@@ -81,6 +82,11 @@ for s in "${steps[@]}"; do
       run hybrid-nommap python3 -m bench.hybrid --model "$MODEL" --peer-bin "$PEER_BIN" \
         --vram-budget half-experts --concurrency 1 4 8 --layouts planned \
         --ours-args="--no-mmap" --peer-args="-lm none" ;;
+    kv-pressure)  # issue 19: KV pressure against llama-server (-kvu, same pool), then swap cost
+      run kv-pressure python3 -m bench.kv_pressure --gpu --peer-bin "$PEER_BIN" --model "$MODEL" \
+        --scenario mixed ten two-big --n-ctx 16384 --clients 12 --min-prompt 3000 \
+        --max-prompt 14000 --osl 96 --repeats "${KV_REPEATS:-2}" --json "$R/kv-pressure.json"
+      run swap-cost python3 -m bench.swap_cost --model "$MODEL" --tokens 4096 12288 --repeats 3 ;;
     tap-cost)  # paired, step by step (bench/tap_cost.py), then as a throughput difference
       run tapcost python3 -m bench.tap_cost --model "$MODEL" --concurrency 1 8 32 --steps 400
       run tapcost-throughput python3 -m bench.engine_step --model "$MODEL" --concurrency 1 8 32 \

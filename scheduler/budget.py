@@ -72,11 +72,17 @@ class _Line:
     def ready(self) -> bool:
         return self.n >= 1.0
 
+    @property
+    def varied(self) -> bool:
+        """x has varied enough (in what is remembered) for a slope."""
+        mx = self.sx / self.n
+        return self.sxx / self.n - mx * mx > 1e-9 * max(1.0, mx * mx)
+
     def fit(self) -> tuple[float, float]:
         """(k0, k1); a flat line through the mean while x has not varied enough."""
         mx, my = self.sx / self.n, self.sy / self.n
         var = self.sxx / self.n - mx * mx
-        if var <= 1e-9 * max(1.0, mx * mx):
+        if not self.varied:
             return my, 0.0
         k1 = max(0.0, (self.sxy / self.n - mx * my) / var)
         return max(0.0, my - k1 * mx), k1
@@ -215,6 +221,7 @@ class StepCostModel:
 
     def __init__(self, ubatch: int = 0, tile: int = 0) -> None:
         self._dec = _Line()  # x = decode tokens, y = seconds
+        self._batch_fit: tuple[float, float] | None = None  # the last fit with a slope
         # y = a step's seconds beyond its decode part; x = (prompt tokens, token-cells
         # attended, KV span of the chunks, chunks): the terms c0, c1, g and h of the module
         # doc. h only from FIXED_COST_POINTS points: from two noisy ones an intercept makes
@@ -323,6 +330,18 @@ class StepCostModel:
         a, b = self._dec.fit()
         return a + b * n_decode
 
+    def batching_pays(self) -> bool:
+        """Does decoding one more sequence in a step cost less than half of decoding it
+        alone (the per-token term below the per-step one)? Then a running request shares
+        its steps for less than 1.5x its pace, and two together run 1.33x+ the tokens of
+        two one after the other. On a GPU it always does (weights are read once a step
+        for every sequence); on a few CPU cores a small model's decode is compute-bound
+        and it does not. True until steps of different sizes have been seen."""
+        if self._batch_fit is None:
+            return True
+        a, b = self._batch_fit
+        return b <= a
+
     def step_time(self, n_decode: int, chunks: list[tuple[int, int]]) -> float:
         """Modelled seconds for a step of `n_decode` decode tokens and prompt `chunks` as
         (tokens, start depth); the decode part only while no prompt has been measured."""
@@ -360,6 +379,8 @@ class StepCostModel:
         if n_prompt == 0:
             if n_decode:
                 self._dec.add(n_decode, seconds)
+                if self._dec.varied:  # kept while steps stay one size (and the fit flat)
+                    self._batch_fit = self._dec.fit()
                 # Between prefills the bias relaxes: a transient (another process for a
                 # while) must not shrink the next prompt's chunks for good.
                 self.bias += self.BIAS_RELAX * (1.0 - self.bias)

@@ -213,6 +213,17 @@ class Scheduler:
         committed = self._committed()
         swap_in: list[tuple[int, int]] = []
         kv_blocked = False
+        # When the pool cannot hold everyone waiting, and sharing steps buys little
+        # (`batching_pays`), serve one after another: the running finish at their own pace
+        # and nobody's pace is halved for a newcomer that must wait anyway.
+        if (
+            can_admit
+            and self.running
+            and self.waiting
+            and not self.cost.batching_pays()
+            and self._short_of_kv(committed)
+        ):
+            can_admit, kv_blocked = False, True
         while can_admit and self.waiting and budget > 0 and self.pool.num_free_seqs > 0:
             req = self.waiting[0]
             n = timer.grant(
@@ -280,6 +291,16 @@ class Scheduler:
             for req in self.waiting:
                 self._note_kv_wait(req, now)
             self._kv_blocked_since = None
+
+    def _short_of_kv(self, committed: int) -> bool:
+        """KV pressure: the waiting requests need more cells than are left beside what the
+        running will still take."""
+        room = self.pool.free - committed
+        for req in self.waiting:
+            room -= req.num_tokens + self.growth.cells(req.max_tokens - len(req.output_ids))
+            if room < 0:
+                return True
+        return False
 
     def _committed(self) -> int:
         """Cells the running requests will still take beyond what they hold: the rest of

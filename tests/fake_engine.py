@@ -92,7 +92,8 @@ class FakeEngine:
 
     Swaps keep a sequence's cells under their key, as the real engine keeps their bytes:
     saved before releases, restored after starts into a sequence that holds none.
-    `seconds_per_token` and `swap_bytes_per_s` make steps and copies report times (the
+    `seconds_per_step`, `seconds_per_token` and `swap_bytes_per_s` make steps and copies
+    report times (the
     scheduler learns its cost models from them); `lose_swaps` are keys whose restore fails.
     """
 
@@ -105,6 +106,7 @@ class FakeEngine:
     batches: list[StepBatch] = field(default_factory=list)
     num_steps: int = 0
     seconds_per_token: float = 0.0
+    seconds_per_step: float = 0.0
     swap_bytes_per_s: float = 1e9
     bytes_per_cell: int = 1
     lose_swaps: set[int] = field(default_factory=set)
@@ -180,7 +182,8 @@ class FakeEngine:
             cells.extend((c.pos0 + k, tok) for k, tok in enumerate(c.tokens))
             if c.sample:
                 swap.sampled[c.seq_id] = Sampled(self.sample(self.history(c.seq_id)))
-        swap.decode_s = self.seconds_per_token * sum(len(c.tokens) for c in chunks)
+        n = sum(len(c.tokens) for c in chunks)
+        swap.decode_s = self.seconds_per_step + self.seconds_per_token * n
         return swap
 
 

@@ -23,7 +23,7 @@ from tests.tiny_gguf import Shape, write_llama
 
 pytestmark = pytest.mark.e2e
 POOL = 1024
-OUT = 48
+OUT = 96
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +51,17 @@ def pressed(model: Path) -> Iterator[Server]:
 
 def _metric(server: Server, name: str, **labels: str) -> float:
     """The sum of a metric's series (those with `labels`) on the server's /metrics."""
+    return _sum(httpx.get(server.url + "/metrics").text, name, **labels)
+
+
+async def _queued(h: httpx.AsyncClient, server: Server) -> float:
+    """Requests the server has accepted so far."""
+    return _sum((await h.get(server.url + "/metrics")).text, "onegpu_lane_requests_total")
+
+
+def _sum(text: str, name: str, **labels: str) -> float:
     total, seen = 0.0, False
-    for family in text_string_to_metric_families(httpx.get(server.url + "/metrics").text):
+    for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == name and labels.items() <= sample.labels.items():
                 total, seen = total + sample.value, True
@@ -84,16 +93,25 @@ def test_ten_prompts_for_a_two_prompt_pool_run_without_thrashing(pressed: Server
 
     async def main() -> tuple[float, float, float, float]:
         async with httpx.AsyncClient(timeout=600) as h:
-            await _one(h, pressed, prompts[0][:8])  # warm up
+            # Warm up, with steps of one and of two sequences: the server learns what
+            # sharing a step costs (on these two cores, for this model: almost as much as
+            # a step of its own, so under KV pressure it serves one after another).
+            await asyncio.gather(*(_one(h, pressed, p[:8]) for p in prompts[:2]))
             t0 = time.monotonic()
             first_alone = await _one(h, pressed, prompts[0]) - t0
             for p in prompts[1:]:
                 await _one(h, pressed, p)
             serial = time.monotonic() - t0
+            # The first request first in line, the others a moment behind it.
+            queued = await _queued(h, pressed)
             t0 = time.monotonic()
-            ends = await asyncio.gather(*(_one(h, pressed, p) for p in prompts))
-            together = time.monotonic() - t0
-            return first_alone, serial, ends[0] - t0, together
+            first = asyncio.create_task(_one(h, pressed, prompts[0]))
+            while await _queued(h, pressed) == queued:
+                pass
+            ends = await asyncio.gather(*(_one(h, pressed, p) for p in prompts[1:]))
+            first_end = await first
+            together = max(first_end, *ends) - t0
+            return first_alone, serial, first_end - t0, together
 
     before = _preemptions(pressed)
     first_alone, serial, first_together, together = asyncio.run(main())
@@ -103,6 +121,7 @@ def test_ten_prompts_for_a_two_prompt_pool_run_without_thrashing(pressed: Server
           "preemptions")  # fmt: skip
     assert preempted <= 10
     assert together <= 1.3 * serial, (together, serial)
+    assert first_together <= 1.5 * first_alone, (first_together, first_alone)
 
 
 @pytest.mark.parametrize("swap_space", ["64M", "0"])

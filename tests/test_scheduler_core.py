@@ -473,6 +473,38 @@ def test_a_pool_for_two_prompts_serves_ten_without_thrashing() -> None:
     assert most == 2
 
 
+@pytest.mark.parametrize(
+    ("per_step", "per_token", "together"),
+    [(1e-2, 1e-4, 2), (0.0, 1e-3, 1)],
+    ids=["gpu-like", "compute-bound"],
+)
+def test_under_kv_pressure_steps_are_shared_only_where_batching_pays(
+    per_step: float, per_token: float, together: int
+) -> None:
+    """When the pool cannot hold everyone waiting, a newcomer joins the running requests
+    only if a step of two costs well under two steps of one (GPU-like: a fixed cost per
+    step); where each sequence costs its own (compute-bound), they run one after another.
+    The cost is learned from decode steps of one and of two sequences (the warm-up)."""
+    rng = random.Random(7)
+    fake = FakeEngine(seconds_per_step=per_step, seconds_per_token=per_token)
+    d = Driver(
+        cfg(max_num_seqs=8, kv_capacity=100, max_num_batched_tokens=16, max_waiting=64), fake
+    )
+    d.add(make_request("w0", prompt(3), 4))
+    d.add(make_request("w1", prompt(3, 1), 12))
+    d.run()
+    for i in range(10):
+        d.add(make_request(f"r{i}", prompt(rng.randint(30, 45), i), 12))
+    most = 0  # running at once while the pool cannot hold everyone waiting
+    while d.sched.has_work:
+        d.step()
+        if len(d.sched.waiting) >= 2:  # two more prompts never fit beside a running one
+            most = max(most, len(d.sched.running))
+    for i in range(10):
+        d.assert_matches_reference(f"r{i}")
+    assert most == together
+
+
 def test_the_victim_is_the_request_with_the_least_computed() -> None:
     """Preemption throws away the victim's KV: the one with the fewest computed tokens
     costs the least to recompute, newest or not."""
