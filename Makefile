@@ -4,6 +4,8 @@
 #   make check   ruff format --check, ruff check, mypy
 #   make bench   this server vs llama-server and llama-batched-bench (bench/compare.py)
 #   make fuzz    schemathesis against a live server, from its OpenAPI document (bench/fuzz_api.py)
+#   make bench-kv  KV pressure: ours vs llama-server on the same pool (bench/kv_pressure.py)
+#   make soak    30 minutes of mixed traffic, then memory, leak and error checks (bench/soak.py)
 # GPU=cuda forces a CUDA build of llama.cpp; otherwise CUDA is used when `nvidia-smi -L` finds a GPU.
 
 SHELL := /bin/bash
@@ -32,7 +34,7 @@ TAP := engine/native/libexpert_tap.so
 STEP := engine/native/libdecode_sample.so
 NATIVE := $(TAP) $(STEP)
 
-.PHONY: install serve test check bench bench-stall bench-repro fuzz model clean
+.PHONY: install serve test check bench bench-stall bench-repro bench-kv fuzz soak model clean
 
 install: $(STAMP) $(NATIVE)
 
@@ -76,6 +78,12 @@ bench-repro: $(STAMP) $(NATIVE) model
 
 fuzz: $(STAMP) $(NATIVE) model
 	$(PY) -m bench.fuzz_api $(BENCH_ARGS)
+
+bench-kv: $(STAMP) $(NATIVE) model
+	$(PY) -m bench.kv_pressure $(BENCH_ARGS)
+
+soak: $(STAMP) $(NATIVE) model
+	$(PY) -m bench.soak $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) $(NATIVE) .mypy_cache .ruff_cache .pytest_cache

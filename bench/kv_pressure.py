@@ -163,22 +163,26 @@ def pressure_metrics(
     }
 
 
-async def accepted(h: httpx.AsyncClient, url: str, before: float, *, ours: bool) -> None:
+async def accepted(
+    h: httpx.AsyncClient, url: str, before: float, first: asyncio.Task[Reply], *, ours: bool
+) -> None:
     """Wait until the server has queued one more request than `before` (ours: requests
-    accepted; llama-server: requests in a slot or deferred, from 0): the first request of
-    the together phase is then first in line, and the others arrive behind it."""
+    accepted; llama-server: requests in a slot or deferred, from 0), or the first request
+    has ended (refused, say): the first request of the together phase is then first in
+    line, and the others arrive behind it."""
     names = (
         ("onegpu_lane_requests_total",)
         if ours
         else ("llamacpp:requests_processing", "llamacpp:requests_deferred")
     )
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not first.done():
         got = await scrape(h, url)
         if sum(v for (n, _), v in got.items() if n in names) >= before + 1:
             return
         await asyncio.sleep(0.005)  # a poll interval, not a wait for the condition
-    raise RuntimeError("the first request never reached the server")
+    if not first.done():
+        raise RuntimeError("the first request never reached the server")
 
 
 async def trial(srv: Server, prompts: list[list[int]], osl: int, *, ours: bool) -> Trial:
@@ -192,7 +196,7 @@ async def trial(srv: Server, prompts: list[list[int]], osl: int, *, ours: bool) 
         queued = sum(v for (n, _), v in before.items() if n == "onegpu_lane_requests_total")
         t0 = time.monotonic()
         first = asyncio.create_task(complete(h, srv.base_url, prompts[0], osl, t0))
-        await accepted(h, srv.url, queued, ours=ours)
+        await accepted(h, srv.url, queued, first, ours=ours)
         rest = await asyncio.gather(*(complete(h, srv.base_url, p, osl, t0) for p in prompts[1:]))
         replies = [await first, *rest]
         together_s = time.monotonic() - t0

@@ -1,7 +1,20 @@
-"""Accounting for the KV pool: sequence ids and cells (one cell per token per sequence).
+"""Accounting for the KV pool: sequence ids and cells (one cell per token per sequence),
+and the host-RAM swap space preempted sequences' cells go to.
 
 The backend is a unified llama.cpp cache of `capacity` cells shared by all sequences;
 the scheduler mirrors its use here so admission and preemption never need to ask it.
+
+Cells have owners, and `used` counts each cell once, under its owner. Today every owner is
+a sequence and owns its cells alone. The prefix cache adds a second kind: a cached prefix,
+whose cells llama.cpp lets several sequences read (`seq_cp` is metadata-only in a unified
+cache), held with a reference count of the sequences reading it. A sequence then owns only
+the cells past its shared prefix; closing it drops a reference, and a prefix nobody reads
+is free to evict — its cells count as reclaimable when admission asks what fits. The state
+API saves every cell a sequence can see, its shared prefix too: a swapped sequence that
+read one comes back owning a private copy, unless the restore drops that copy and reads
+the cached prefix again (`seq_cp`) while it is still cached. Growth reserves, admission
+and the swap space are all counted in owned cells, so none of them changes when owners
+multiply.
 """
 
 from __future__ import annotations

@@ -79,3 +79,21 @@ def test_telemetry_cost_benchmark_runs_and_reports_every_class(tmp_path: Path) -
     for r in rows:
         cells = [c.strip() for c in r.strip("|").split("|")]
         assert all(float(c) > 0 for c in cells[1:4]) and cells[4].endswith("%")
+
+
+@pytest.mark.e2e
+def test_kv_pressure_benchmark_runs_ours_and_llama_server(tmp_path: Path) -> None:
+    """`bench.kv_pressure` on the embedded model and a pool for about two prompts: a row
+    per server; ours finishes every request whole, serial and together."""
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.kv_pressure", "--no-gpu", "--scenario", "ten",
+         "--n-ctx", "512", "--osl", "16", "--json", str(tmp_path / "k.json")],
+        cwd=ROOT, capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = {ln.split("|")[1].strip(): ln for ln in out.stdout.splitlines() if ln.startswith("| ")}
+    assert {"ours", "llama-server"} <= set(rows), out.stdout
+    assert rows["ours"].rstrip(" |").endswith("0/10"), rows["ours"]  # no bad reply
+    raw = json.loads((tmp_path / "k.json").read_text())
+    [trial] = raw["results"]["ours"]["trials"]["ten"]
+    assert trial["serial_violations"] == [] and trial["together_violations"] == []
