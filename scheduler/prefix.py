@@ -1,0 +1,228 @@
+"""The prefix index: which token sequences still have their KV in the pool, as a radix tree
+(a token trie whose edges hold runs of tokens), so a new request can read its longest
+cached prefix instead of computing it again.
+
+How it maps onto llama.cpp's unified KV cache, where a cell can belong to several sequence
+ids at once (`seq_cp` tags cells with one more id, no copy): every leaf has a *holder*, a
+sequence id whose cells are exactly the tokens from the root to the end of that leaf. A
+node's cells are therefore tagged by the holders of all leaves below it, and any of them
+can lend the node's prefix to a new request (`Share`). Holders live on leaves only: when a
+leaf gets a child, its old holder is redundant and released; when the last child of a node
+is evicted, that child's holder trims its own span and becomes the node's holder.
+
+Pure bookkeeping: every change the engine must make to its cache is returned as data
+(`Share`, `Trim`, `Release`), in order, for the caller to put in the next step's batch.
+Cells are counted once, under the tree (`cells`); a node read by a running request
+(`refs` > 0, from `acquire` until `release`) is never evicted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Share:
+    """Tag `dst`'s positions [p0, p1) with the cells `src` holds there (llama `seq_cp`)."""
+
+    src: int
+    dst: int
+    p0: int
+    p1: int
+
+
+@dataclass(frozen=True, slots=True)
+class Trim:
+    """Untag `seq` from its positions [p0, p1) (llama `seq_rm`; -1 = to the end)."""
+
+    seq: int
+    p0: int
+    p1: int
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """`seq` holds nothing the index needs: untag all of it and free the id."""
+
+    seq: int
+
+
+KVOp = Share | Trim | Release
+
+
+@dataclass(eq=False, slots=True)
+class _Node:
+    tokens: list[int]  # this edge's run of tokens
+    start: int  # position of its first token
+    parent: _Node | None
+    children: dict[int, _Node] = field(default_factory=dict)  # by first token
+    holder: int | None = None  # leaves only: the seq id holding root → its end
+    refs: int = 0  # running requests reading through it
+    last_used: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """What a request reads from the index: the first `length` positions, through `node`."""
+
+    node: _Node | None
+    length: int
+
+
+class PrefixIndex:
+    def __init__(self) -> None:
+        self._root = _Node([], 0, None)
+        self._tick = 0
+        self.cells = 0  # cells held by the tree, each counted once
+
+    # ---- reading ---------------------------------------------------------------------
+    def match(self, tokens: Sequence[int]) -> int:
+        """The length of the longest cached prefix of `tokens`."""
+        node, off = self._walk(tokens)
+        return (node.start + off) if node is not self._root else 0
+
+    def acquire(self, tokens: Sequence[int], seq: int, limit: int) -> tuple[Lease, list[KVOp]]:
+        """Let `seq` (a fresh sequence) read the longest cached prefix of `tokens`, at most
+        `limit` tokens (a request must still compute one token of its own, for logits).
+        Its nodes cannot be evicted until `release`."""
+        node, off = self._walk(tokens[:limit])
+        if node is self._root or off == 0:
+            return Lease(None, 0), []
+        if off < len(node.tokens):
+            node = self._split(node, off)
+        self._tick += 1
+        n: _Node | None = node
+        while n is not None and n is not self._root:
+            n.refs += 1
+            n.last_used = self._tick
+            n = n.parent
+        return Lease(node, node.end), [Share(self._holder_below(node), seq, 0, node.end)]
+
+    def release(self, lease: Lease) -> None:
+        n = lease.node
+        while n is not None and n is not self._root:
+            n.refs -= 1
+            n = n.parent
+
+    # ---- writing ---------------------------------------------------------------------
+    def insert(self, tokens: Sequence[int], seq: int, shared: int) -> tuple[int, list[KVOp]]:
+        """A finished sequence offers its KV: `seq` holds `tokens` at positions 0.., the
+        first `shared` of them read from the index (`acquire`). Returns the cells it
+        gives up (already cached elsewhere) and the ops; what is new becomes a leaf held
+        by `seq`, the rest of `seq` is released or trimmed."""
+        node, off = self._walk(tokens)
+        k = node.start + off if node is not self._root else 0
+        self._tick += 1
+        if k == len(tokens):  # nothing new: every cell it holds beyond `shared` is a copy
+            self._touch(node)
+            return len(tokens) - shared, [Release(seq)]
+        ops: list[KVOp] = []
+        if node is not self._root and off < len(node.tokens):
+            node = self._split(node, off)
+        if k > shared:  # it computed cached positions itself: read the tree's instead
+            ops += [Trim(seq, shared, k), Share(self._holder_below(node), seq, shared, k)]
+        if node is not self._root and not node.children:  # a leaf gets a child
+            assert node.holder is not None
+            ops.append(Release(node.holder))
+            node.holder = None
+        leaf = _Node(list(tokens[k:]), k, node, holder=seq)
+        node.children[tokens[k]] = leaf
+        self.cells += len(leaf.tokens)
+        self._touch(leaf)
+        return k - shared, ops
+
+    def evict(self, cells: int) -> tuple[int, list[KVOp]]:
+        """Free at least `cells` cells (if that many are evictable), least recently used
+        leaves first; returns the cells freed and the ops."""
+        freed, ops = 0, []
+        while freed < cells:
+            leaf = min(self._free_leaves(), key=lambda n: n.last_used, default=None)
+            if leaf is None:
+                break
+            freed += len(leaf.tokens)
+            ops.append(self._drop_leaf(leaf))
+        self.cells -= freed
+        return freed, ops
+
+    @property
+    def evictable(self) -> int:
+        """Cells no running request reads: what eviction could free."""
+        return sum(len(n.tokens) for n in self._nodes() if n.refs == 0)
+
+    # ---- internals -------------------------------------------------------------------
+    def _walk(self, tokens: Sequence[int]) -> tuple[_Node, int]:
+        """The deepest node `tokens` enters and how many of its tokens match."""
+        node, pos = self._root, 0
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                return node, len(node.tokens)
+            off = 0
+            while off < len(child.tokens) and pos < len(tokens):
+                if child.tokens[off] != tokens[pos]:
+                    return child, off
+                off += 1
+                pos += 1
+            if off < len(child.tokens):
+                return child, off
+            node = child
+        return node, len(node.tokens)
+
+    def _split(self, node: _Node, off: int) -> _Node:
+        """Cut `node` after `off` tokens; returns the upper part (same cells, same refs)."""
+        assert node.parent is not None and 0 < off < len(node.tokens)
+        upper = _Node(node.tokens[:off], node.start, node.parent, refs=node.refs,
+                      last_used=node.last_used)  # fmt: skip
+        node.parent.children[node.tokens[0]] = upper
+        node.tokens = node.tokens[off:]
+        node.start += off
+        node.parent = upper
+        upper.children[node.tokens[0]] = node
+        return upper
+
+    def _holder_below(self, node: _Node) -> int:
+        while node.holder is None:
+            node = next(iter(node.children.values()))
+        return node.holder
+
+    def _touch(self, node: _Node) -> None:
+        n: _Node | None = node
+        while n is not None:
+            n.last_used = self._tick
+            n = n.parent
+
+    def _drop_leaf(self, leaf: _Node) -> KVOp:
+        parent, holder = leaf.parent, leaf.holder
+        assert parent is not None and holder is not None
+        del parent.children[leaf.tokens[0]]
+        if parent is self._root or parent.children:
+            return Release(holder)  # the rest of its path is held by others (or is empty)
+        parent.holder = holder  # the parent is a leaf now, held by what held its child
+        return Trim(holder, leaf.start, -1)
+
+    def _free_leaves(self) -> list[_Node]:
+        return [n for n in self._nodes() if not n.children and n.refs == 0]
+
+    def _nodes(self) -> list[_Node]:
+        out, stack = [], list(self._root.children.values())
+        while stack:
+            n = stack.pop()
+            out.append(n)
+            stack.extend(n.children.values())
+        return out
+
+    def sanity_checks(self) -> None:
+        nodes = self._nodes()
+        assert self.cells == sum(len(n.tokens) for n in nodes), "cached cells drifted"
+        for n in nodes:
+            assert n.tokens, "empty edge"
+            assert (n.holder is not None) == (not n.children), "holders live on leaves"
+            assert n.parent is not None and n.start == (
+                n.parent.end if n.parent is not self._root else 0
+            ), "positions do not continue"
+            assert n.refs >= 0 and all(c.refs <= n.refs for c in n.children.values())
