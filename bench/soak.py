@@ -4,9 +4,10 @@ A server that passes every short test can still leak: a sequence an aborted stre
 freed, KV cells a preemption forgot, memory that grows with each request. This drives
 `--clients` concurrent users for `--minutes` with a seeded mix — streamed chats read to the
 end, streams closed after a few tokens, long token-id prompts (up to ~45% of the KV pool, so
-admission works), long outputs (up to a quarter of the pool each, so running requests
-outgrow it and preemption works), reproducible-lane requests, n=2 requests and requests that
-must be refused with a 400 — on a server started under KV pressure. Then it checks:
+admission works), long outputs (up to an eighth of the pool each, so running requests
+outgrow their reserve and preemption works), reproducible-lane requests, n=2 requests and
+requests that must be refused with a 400 — on a server started under KV pressure. Then it
+checks:
 
 - no 5xx, connection error or malformed response, ever;
 - after the warm-up, the server's resident memory moved by at most `--rss-slack-mib`;
@@ -152,10 +153,10 @@ async def long_prompt(t: Traffic, rng: random.Random) -> None:
 
 
 async def long_output(t: Traffic, rng: random.Random) -> None:
-    """A completion that grows by up to a quarter of the KV pool: several at once outgrow
-    it, so running requests get preempted (swapped or recomputed) and must still finish
-    whole."""
-    n, want = rng.randint(16, t.pool_cells // 8), rng.randint(64, t.pool_cells // 4)
+    """A completion that grows by up to an eighth of the KV pool: several at once outgrow
+    what admission reserved for them, so running requests get preempted (swapped or
+    recomputed) and must still finish whole."""
+    n, want = rng.randint(16, t.pool_cells // 8), rng.randint(64, t.pool_cells // 8)
     out = await t.client.completions.create(
         model=t.model, prompt=prompt(rng, n), max_tokens=want, temperature=0,
         extra_body={"ignore_eos": True},

@@ -97,3 +97,20 @@ def test_kv_pressure_benchmark_runs_ours_and_llama_server(tmp_path: Path) -> Non
     raw = json.loads((tmp_path / "k.json").read_text())
     [trial] = raw["results"]["ours"]["trials"]["ten"]
     assert trial["serial_violations"] == [] and trial["together_violations"] == []
+
+
+@pytest.mark.e2e
+def test_a_short_soak_of_mixed_traffic_leaks_nothing(tmp_path: Path) -> None:
+    """`bench.soak` for half a minute: every kind of request is sent, none gets a 5xx, and
+    once drained no lane holds a request, a KV cell or a swapped cell. (Memory flatness
+    needs the full 30 minutes: `make soak`.)"""
+    report = tmp_path / "soak.json"
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.soak", "--minutes", "0.5", "--warmup-minutes", "0.1",
+         "--rss-slack-mib", "4096", "--json", str(report)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    r = json.loads(report.read_text())
+    assert set(r["requests"]) >= {"chat_stream", "long_prompt", "cancelled_stream"}
+    assert r["num_5xx"] == 0 and r["drained"] and all(r["checks"].values())

@@ -114,14 +114,19 @@ def test_ten_prompts_for_a_two_prompt_pool_run_without_thrashing(pressed: Server
             return first_alone, serial, first_end - t0, together
 
     before = _preemptions(pressed)
+    waited_before = _metric(pressed, "onegpu_request_kv_wait_seconds_sum")
     first_alone, serial, first_together, together = asyncio.run(main())
     preempted = _preemptions(pressed) - before
+    waited = _metric(pressed, "onegpu_request_kv_wait_seconds_sum") - waited_before
     print(f"kv pressure: {together:.2f} s together, {serial:.2f} s one after another; first "
           f"request {first_together:.2f} s vs {first_alone:.2f} s alone; {preempted:g} "
           "preemptions")  # fmt: skip
     assert preempted <= 10
     assert together <= 1.3 * serial, (together, serial)
     assert first_together <= 1.5 * first_alone, (first_together, first_alone)
+    # Nine requests queued for KV behind one or two running: request k waits about k/10 of
+    # the time together, 4.5x it in all (one after another: none waited).
+    assert waited >= together, (waited, together)
 
 
 @pytest.mark.parametrize("swap_space", ["64M", "0"])
