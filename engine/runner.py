@@ -22,7 +22,7 @@ from engine.kv_swap import SwapStore
 from engine.model import Model
 from engine.native_step import NativeStep
 from engine.sampling import SamplerBank
-from engine.step_types import SeqChunk, StepBatch, StepResult
+from engine.step_types import KVOp, Release, SeqChunk, Share, StepBatch, StepResult, Trim
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,10 @@ class Engine:
             self.context.seq_rm(ids.pop(s.seq_id, s.seq_id))
             on_device = self.sampler.start(s)
             ids[s.seq_id] = s.seq_id + self.context.n_slots if on_device else s.seq_id
+        for seq_id in batch.retained:
+            self.sampler.release(seq_id)
+        for op in batch.kv_ops:
+            self._apply(op)
         t_restore = time.perf_counter()
         chunks = batch.chunks
         if batch.swap_in:
@@ -111,6 +115,19 @@ class Engine:
         result.swap_out_bytes, result.swap_in_bytes = swap.swap_out_bytes, swap.swap_in_bytes
         result.swap_out_failed, result.swap_in_failed = swap.swap_out_failed, swap.swap_in_failed
         return result
+
+    def _apply(self, op: KVOp) -> None:
+        """One change the prefix index asked for, on llama.cpp sequence ids."""
+        ids, mem = self._llama_id, self.context.memory
+        if isinstance(op, Share):
+            src, dst = ids.get(op.src, op.src), ids.get(op.dst, op.dst)
+            self.ll.llama_memory_seq_cp(mem, src, dst, op.p0, op.p1)
+        elif isinstance(op, Trim):
+            self.ll.llama_memory_seq_rm(mem, ids.get(op.seq, op.seq), op.p0, op.p1)
+        else:
+            assert isinstance(op, Release)
+            self.context.seq_rm(ids.pop(op.seq, op.seq))
+            self.sampler.release(op.seq)
 
     def _run(self, chunks: list[SeqChunk], t_start: float) -> StepResult:
         if not chunks:

@@ -60,6 +60,36 @@ class SeqStart:
     history: list[int] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True)
+class Share:
+    """Tag `dst`'s positions [p0, p1) with the cells `src` holds there (llama `seq_cp`:
+    metadata only in a unified cache, the cells are read by both)."""
+
+    src: int
+    dst: int
+    p0: int
+    p1: int
+
+
+@dataclass(frozen=True, slots=True)
+class Trim:
+    """Untag `seq` from its positions [p0, p1) (llama `seq_rm`; p1 = -1: to the end)."""
+
+    seq: int
+    p0: int
+    p1: int
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """`seq` holds nothing anyone needs: untag all its cells and forget the id."""
+
+    seq: int
+
+
+KVOp = Share | Trim | Release
+
+
 @dataclass(slots=True)
 class StepBatch:
     """One `llama_decode` call: decode tokens first, then prompt chunks, within n_batch."""
@@ -72,6 +102,11 @@ class StepBatch:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (seq id, swap key)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (swap key, seq id)
     swap_drop: list[int] = field(default_factory=list)  # swap keys no longer wanted
+    # Sequences whose sampler goes but whose KV stays (a finished request kept as cache),
+    # and changes to which sequence reads which cells (the prefix index's), applied after
+    # `starts` and before swap restores.
+    retained: list[int] = field(default_factory=list)
+    kv_ops: list[KVOp] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

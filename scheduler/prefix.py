@@ -21,34 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-
-@dataclass(frozen=True, slots=True)
-class Share:
-    """Tag `dst`'s positions [p0, p1) with the cells `src` holds there (llama `seq_cp`)."""
-
-    src: int
-    dst: int
-    p0: int
-    p1: int
-
-
-@dataclass(frozen=True, slots=True)
-class Trim:
-    """Untag `seq` from its positions [p0, p1) (llama `seq_rm`; -1 = to the end)."""
-
-    seq: int
-    p0: int
-    p1: int
-
-
-@dataclass(frozen=True, slots=True)
-class Release:
-    """`seq` holds nothing the index needs: untag all of it and free the id."""
-
-    seq: int
-
-
-KVOp = Share | Trim | Release
+from engine.step_types import KVOp, Release, Share, Trim
 
 
 @dataclass(eq=False, slots=True)

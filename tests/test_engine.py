@@ -24,7 +24,16 @@ from engine.errors import InvalidBatch, KVCacheFull
 from engine.model import Model
 from engine.placement import CPU_MOE
 from engine.runner import Engine
-from engine.step_types import Sampled, SamplingParams, SeqChunk, SeqStart, StepBatch
+from engine.step_types import (
+    Release,
+    Sampled,
+    SamplingParams,
+    SeqChunk,
+    SeqStart,
+    Share,
+    StepBatch,
+    Trim,
+)
 from tests.tiny_gguf import CHATML_TEMPLATE, EOS_ID, FIRST_BYTE_ID, N_BYTE_TOKENS, write_llama
 from tests.tiny_gguf import write_qwen3moe as write_moe
 
@@ -290,6 +299,44 @@ def test_swapped_out_sequence_resumes_from_host_ram(open_engine: OpenEngine, arc
     assert len(eng.swap) == 1
     eng.step(StepBatch([], swap_drop=[8]))
     assert len(eng.swap) == 0 and eng.seq_pos_max(4) == len(p)
+
+
+def test_a_shared_prefix_is_read_without_computing_it(open_engine: OpenEngine) -> None:
+    """The prefix cache's ops on a dense model: a finished sequence kept (`retained`), its
+    first cells lent to a new sequence (`Share` = seq_cp, no copy), which then predicts
+    what it would after computing that prefix itself; `Trim` and `Release` untag only the
+    holder. (Sliding-window models differ: see the prefix index.)"""
+    eng = open_engine("llama-f16", n_ctx=2048)
+    n_vocab = eng.model.n_vocab
+    lp = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=n_vocab)
+    p, a, b = prompt_ids(eng), prompt_ids(eng, "hello world"), prompt_ids(eng, "and more")
+    b = b[1:]  # no second BOS
+
+    def last_distribution(seq: int, tokens: list[int], p0: int, start: bool) -> np.ndarray:
+        res = eng.step(
+            StepBatch(
+                [SeqChunk(seq, tokens, p0, True)], starts=[SeqStart(seq, lp)] if start else []
+            )
+        )
+        top = res.sampled[seq].top_logprobs
+        assert top is not None
+        d = np.empty(n_vocab)
+        for tok, v in top:
+            d[tok] = v
+        return d
+
+    prefill(eng, p, lp, seq_id=2)
+    want = last_distribution(2, b, len(p), start=False)  # p, then b
+    prefill(eng, p + a, lp, seq_id=0)
+    eng.step(StepBatch([], starts=[SeqStart(1, lp)], retained=[0], kv_ops=[Share(0, 1, 0, len(p))]))
+    assert eng.seq_pos_max(1) == len(p) - 1
+    got = last_distribution(1, b, len(p), start=False)
+    np.testing.assert_allclose(got, want, atol=1e-3)
+    eng.step(StepBatch([], kv_ops=[Trim(0, len(p), -1)]))
+    assert eng.seq_pos_max(0) == len(p) - 1
+    eng.step(StepBatch([], kv_ops=[Release(0)]))
+    assert eng.seq_pos_max(0) == -1
+    assert eng.seq_pos_max(1) == len(p) + len(b) - 1  # the reader keeps the shared cells
 
 
 def test_oversized_or_invalid_batch_raises_instead_of_aborting(open_engine: OpenEngine) -> None:
