@@ -54,8 +54,9 @@ def test_quick_benchmark_compares_both_servers_and_the_ceiling() -> None:
     assert row, out.stdout
     ours, theirs, ratio, ceiling, ours_vs_ceiling = map(float, row.groups())
     assert ours > 0 and theirs > 0 and ceiling > 0
-    assert ratio == pytest.approx(ours / theirs, abs=0.011)
-    assert ours_vs_ceiling == pytest.approx(ours / ceiling, abs=0.011)
+    # the table's figures are rounded to 2 decimals, so a ratio of them is only that close
+    assert ratio == pytest.approx(ours / theirs, rel=0.01, abs=0.011)
+    assert ours_vs_ceiling == pytest.approx(ours / ceiling, rel=0.01, abs=0.011)
     rss = re.search(r"Peak RSS \(MiB, median\): ours (\d+), llama-server (\d+)", out.stdout)
     assert rss and int(rss.group(1)) > 100 and int(rss.group(2)) > 100
     profile = r"^\| greedy \| 2 \| ([\d.]+ \| ){7}[\d.]+% \|$"
