@@ -20,7 +20,16 @@ from dataclasses import dataclass, field
 
 from engine.detok import IncrementalDetokenizer
 from engine.errors import EngineError, KVCacheFull
-from engine.step_types import Sampled, SamplingParams, StepBatch, StepResult
+from engine.step_types import (
+    KVOp,
+    Release,
+    Sampled,
+    SamplingParams,
+    Share,
+    StepBatch,
+    StepResult,
+    Trim,
+)
 from scheduler.request import Request
 from scheduler.stops import StopMatcher
 
@@ -91,7 +100,9 @@ class FakeEngine:
     `max_steps` turns a scheduler livelock into a prompt `ContractViolation`.
 
     Swaps keep a sequence's cells under their key, as the real engine keeps their bytes:
-    saved before releases, restored after starts into a sequence that holds none.
+    saved before releases, restored after starts into a sequence that holds none. Cells
+    have ids, so a prefix lent to another sequence (`Share`, from the prefix index) is one
+    set of cells read by both, counted once in `kv_used`, as in llama.cpp's unified cache.
     `seconds_per_step`, `seconds_per_token` and `swap_bytes_per_s` make steps and copies
     report times (the
     scheduler learns its cost models from them); `lose_swaps` are keys whose restore fails.
@@ -102,7 +113,7 @@ class FakeEngine:
     sample: Callable[[Sequence[int]], int] = next_token
     faults: dict[int, EngineError] = field(default_factory=dict)
     max_steps: int | None = None
-    kv: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    kv: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)  # pos, token, cell
     batches: list[StepBatch] = field(default_factory=list)
     num_steps: int = 0
     seconds_per_token: float = 0.0
@@ -110,14 +121,39 @@ class FakeEngine:
     swap_bytes_per_s: float = 1e9
     bytes_per_cell: int = 1
     lose_swaps: set[int] = field(default_factory=set)
-    swapped: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    swapped: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)
+    _next_cell: int = 0
 
     @property
     def kv_used(self) -> int:
-        return sum(len(cells) for cells in self.kv.values())
+        """Cells in use: a cell several sequences read (a shared prefix) counts once."""
+        return len({cell for cells in self.kv.values() for _, _, cell in cells})
 
     def history(self, seq_id: int) -> list[int]:
-        return [tok for _, tok in self.kv[seq_id]]
+        return [tok for _, tok, _ in self.kv[seq_id]]
+
+    def _new_cells(self, pos0: int, tokens: Sequence[int]) -> list[tuple[int, int, int]]:
+        first, self._next_cell = self._next_cell, self._next_cell + len(tokens)
+        return [(pos0 + k, tok, first + k) for k, tok in enumerate(tokens)]
+
+    def _apply(self, i: int, op: KVOp) -> None:
+        """The prefix index's ops, with llama.cpp's meaning (`seq_cp`, `seq_rm`)."""
+        if isinstance(op, Share):
+            src = [c for c in self.kv.get(op.src, []) if op.p0 <= c[0] < op.p1]
+            if len(src) != op.p1 - op.p0 or op.dst not in self.kv:
+                raise ContractViolation(f"step {i}: {op} from cells it does not hold")
+            if any(op.p0 <= c[0] < op.p1 for c in self.kv[op.dst]):
+                raise ContractViolation(f"step {i}: {op} over positions the reader holds")
+            self.kv[op.dst] = sorted(self.kv[op.dst] + src)
+        elif isinstance(op, Trim):
+            end = op.p1 if op.p1 >= 0 else 1 << 62
+            if op.seq not in self.kv:
+                raise ContractViolation(f"step {i}: {op} of a sequence not live")
+            self.kv[op.seq] = [c for c in self.kv[op.seq] if not op.p0 <= c[0] < end]
+        else:
+            assert isinstance(op, Release)
+            if self.kv.pop(op.seq, None) is None:
+                raise ContractViolation(f"step {i}: {op} of a sequence not live")
 
     def step(self, batch: StepBatch) -> StepResult:
         i = self.num_steps
@@ -139,6 +175,11 @@ class FakeEngine:
             if s.seq_id in self.kv:
                 raise ContractViolation(f"step {i}: started seq {s.seq_id} is still live")
             self.kv[s.seq_id] = []
+        for seq_id in batch.retained:
+            if seq_id not in self.kv:
+                raise ContractViolation(f"step {i}: retained seq {seq_id} is not live")
+        for op in batch.kv_ops:
+            self._apply(i, op)
         lost = set()
         for key, seq_id in batch.swap_in:
             if key not in self.swapped or self.kv.get(seq_id) != []:
@@ -148,7 +189,7 @@ class FakeEngine:
                 swap.swap_in_failed.append(key)
                 lost.add(seq_id)
                 continue
-            self.kv[seq_id] = cells
+            self.kv[seq_id] = self._new_cells(0, [tok for _, tok, _ in cells])
             swap.swap_in_bytes += len(cells) * self.bytes_per_cell
         for key in batch.swap_drop:
             if self.swapped.pop(key, None) is None:
@@ -168,6 +209,8 @@ class FakeEngine:
             if not c.tokens:
                 raise ContractViolation(f"step {i}: empty chunk for seq {c.seq_id}")
             have = len(self.kv[c.seq_id])
+            if [pos for pos, _, _ in self.kv[c.seq_id]] != list(range(have)):
+                raise ContractViolation(f"step {i}: seq {c.seq_id} has holes in its positions")
             if c.pos0 != have:
                 kind = "gap" if c.pos0 > have else "overlap"
                 raise ContractViolation(
@@ -178,8 +221,7 @@ class FakeEngine:
         if self.capacity is not None and self.kv_used + batch.num_tokens > self.capacity:
             raise KVCacheFull(f"{self.kv_used} + {batch.num_tokens} > {self.capacity}")
         for c in chunks:
-            cells = self.kv[c.seq_id]
-            cells.extend((c.pos0 + k, tok) for k, tok in enumerate(c.tokens))
+            self.kv[c.seq_id].extend(self._new_cells(c.pos0, c.tokens))
             if c.sample:
                 swap.sampled[c.seq_id] = Sampled(self.sample(self.history(c.seq_id)))
         n = sum(len(c.tokens) for c in chunks)

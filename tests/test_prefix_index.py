@@ -11,7 +11,18 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from scheduler.prefix import KVOp, Lease, PrefixIndex, Release, Share, Trim
+from engine.step_types import (
+    KVOp,
+    Release,
+    SamplingParams,
+    SeqChunk,
+    SeqStart,
+    Share,
+    StepBatch,
+    Trim,
+)
+from scheduler.prefix import Lease, PrefixIndex
+from tests.fake_engine import FakeEngine
 
 
 @dataclass
@@ -175,3 +186,28 @@ def test_seeded_random_workloads_keep_the_cache_and_the_index_in_step() -> None:
         _, ops = index.evict(10**9)
         cache.apply(ops)
         assert index.cells == 0 and cache.cells == []
+
+
+def test_the_fake_engine_follows_the_index_like_llama_cpp() -> None:
+    """The scheduler's tests run the index's ops on the fake engine: a kept sequence lends
+    its prefix, the reader continues after it, and the shared cells count once."""
+    fake, index = FakeEngine(), PrefixIndex()
+    greedy = SamplingParams(temperature=0)
+    first = [5, 6, 7, 8, 9]
+    fake.step(StepBatch([SeqChunk(0, first, 0, True)], starts=[SeqStart(0, greedy)]))
+    _, ops = index.insert(first, 0, 0)
+    fake.step(StepBatch([], retained=[0], kv_ops=ops))
+    second = [5, 6, 7, 1]
+    lease, ops = index.acquire(second, 1, len(second) - 1)
+    assert lease.length == 3
+    fake.step(
+        StepBatch([SeqChunk(1, second[3:], 3, True)], starts=[SeqStart(1, greedy)], kv_ops=ops)
+    )
+    assert fake.history(1) == second and fake.history(0) == first
+    assert fake.kv_used == 5 + 1
+    _, ops = index.insert(second, 1, lease.length)
+    index.release(lease)
+    fake.step(StepBatch([], retained=[1], kv_ops=ops))
+    _, ops = index.evict(100)
+    fake.step(StepBatch([], kv_ops=ops))
+    assert fake.kv == {} and fake.kv_used == 0
