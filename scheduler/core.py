@@ -11,9 +11,10 @@ from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.step_types import Sampled, SeqChunk, SeqStart, StepBatch, StepResult
+from engine.step_types import KVOp, Release, Sampled, SeqChunk, SeqStart, StepBatch, StepResult
 from scheduler.budget import StepCostModel, StepTimeBudget
 from scheduler.kv import GrowthEstimate, KVPool, SwapCost, SwapSpace
+from scheduler.prefix import PrefixIndex
 from scheduler.request import Request, RequestOutput, RequestStatus
 from scheduler.stats import FinishedStats, StepStats
 
@@ -37,6 +38,8 @@ class SchedulerConfig:
     attention_tile: int = 0  # query rows per attention tile (ggml CPU: 64), the same
     swap_cells: int = 0  # host-RAM pool for preempted sequences' KV, in cells (0 = none)
     kv_bytes_per_cell: int = 0  # what one cell takes there (all layers' K and V)
+    prefix_cache: bool = False  # finished sequences' KV stays as a cache new prompts read
+    max_cached_seqs: int = 0  # sequence ids kept for the cache, beyond max_num_seqs
 
 
 @dataclass(slots=True)
@@ -53,7 +56,10 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         b = self.batch
-        return not (b.chunks or b.released or b.starts or b.swap_out or b.swap_drop)
+        return not (
+            b.chunks or b.released or b.starts or b.swap_out or b.swap_drop or b.kv_ops
+            or b.retained
+        )  # fmt: skip
 
 
 class Scheduler:
@@ -61,7 +67,13 @@ class Scheduler:
         if cfg.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
         self.cfg = cfg
-        self.pool = KVPool(cfg.kv_capacity, cfg.max_num_seqs)
+        holders = cfg.max_cached_seqs if cfg.prefix_cache else 0
+        self.pool = KVPool(cfg.kv_capacity, cfg.max_num_seqs + holders)
+        self.prefix = PrefixIndex() if cfg.prefix_cache else None
+        self._kv_ops: list[KVOp] = []  # for the next batch
+        self._retained: list[int] = []  # finished sequences kept as cache holders
+        self._unhold_after: list[int] = []  # holder ids released by ops not yet sent
+        self._unhold_ready: list[int] = []  # ... sent: free at the next schedule
         self.growth = GrowthEstimate(cfg.reserve_growth)
         self._recomputed = 0  # tokens preemption threw away since the last stats
         self.swap = SwapSpace(cfg.swap_cells)
@@ -141,7 +153,8 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(
             self.waiting or self.running or self._aborts or self._released or self._swap_drop
-        )
+            or self._kv_ops or self._retained
+        )  # fmt: skip
 
     # ---- schedule --------------------------------------------------------------------
     def schedule(self, now: float, others_waiting: bool = False) -> SchedulerOutput:
@@ -149,6 +162,9 @@ class Scheduler:
         end (lanes step one after the other), so it is bounded by the stall target as if
         they decoded here, and never a burst's."""
         self._now = now
+        for seq in self._unhold_ready:  # their Release went out in the last batch
+            self.pool.unhold(seq)
+        self._unhold_ready = []
         self._apply_aborts(now)
         budget = self.cfg.max_num_batched_tokens
         plan: dict[str, tuple[Request, int]] = {}  # insertion order = batch order
@@ -224,21 +240,23 @@ class Scheduler:
             and self._short_of_kv(committed)
         ):
             can_admit, kv_blocked = False, True
-        while can_admit and self.waiting and budget > 0 and self.pool.num_free_seqs > 0:
+        while (
+            can_admit and self.waiting and budget > 0 and self.pool.num_free_seqs > 0
+            and len(self.running) < self.cfg.max_num_seqs
+        ):  # fmt: skip
             req = self.waiting[0]
-            n = timer.grant(
-                min(req.num_uncomputed, budget, self._chunk_cap()),
-                req.num_computed,
-                req.num_uncomputed,
-            )
+            cached = self._cached_prefix(req)
+            rest = req.num_uncomputed - cached
+            n = timer.grant(min(rest, budget, self._chunk_cap()), req.num_computed + cached, rest)
             if n < 1:
                 break
             held = req.num_computed
-            if self.pool.free - held - n < self.cfg.kv_watermark or held + n > self.pool.free:
+            free = self._free() - cached  # what it reads from the cache cannot be evicted
+            if free - held - n < self.cfg.kv_watermark or held + n > free:
                 kv_blocked = True
                 break
-            need = req.num_uncomputed + self.growth.cells(req.max_tokens - len(req.output_ids))
-            if self.running and self.pool.free - committed - held - need < self.cfg.kv_watermark:
+            need = rest + self.growth.cells(req.max_tokens - len(req.output_ids))
+            if self.running and free - committed - held - need < self.cfg.kv_watermark:
                 kv_blocked = True
                 break
             committed += need - n
@@ -252,16 +270,24 @@ class Scheduler:
             starts.append(SeqStart(req.seq_id, req.params, list(req.output_ids)))
             if req.swap_key is not None:  # it leaves the swap space once restored
                 swap_in.append((req.swap_key, req.seq_id))
+            if cached:
+                self._read_prefix(req)
+            self._make_room(held + n)
             self.pool.grow(req.seq_id, held + n)
             plan[req.req_id] = (req, n)
             budget -= n
         self._kv_blocked(kv_blocked, now)
 
-        batch = StepBatch([], starts, self._released, self._swap_out, swap_in, self._swap_drop)
+        batch = StepBatch(
+            [], starts, self._released, self._swap_out, swap_in, self._swap_drop,
+            self._retained, self._kv_ops,
+        )  # fmt: skip
         out = SchedulerOutput(
             batch, num_preempted=preempted, num_decode=n_decode, bounded=timer.bounded
         )
         self._released, self._swap_out, self._swap_drop = [], [], []
+        self._retained, self._kv_ops = [], []
+        self._unhold_ready, self._unhold_after = self._unhold_after, []
         for req, n in plan.values():
             assert req.seq_id is not None
             pos0 = req.num_computed
@@ -273,7 +299,66 @@ class Scheduler:
         assert out.batch.num_tokens <= self.cfg.max_num_batched_tokens, "step over budget"
         self.pool.sanity_checks()
         self.swap.sanity_checks()
+        if self.prefix is not None:
+            self.prefix.sanity_checks()
+            assert self.pool.cached == self.prefix.cells, "cache cells drifted"
         return out
+
+    # ---- prefix cache ----------------------------------------------------------------
+    def _free(self) -> int:
+        """Cells free now or once the unread part of the prefix cache is evicted: the cache
+        never keeps out a request that would fit without it."""
+        return self.pool.free + (self.prefix.evictable if self.prefix is not None else 0)
+
+    def _cached_prefix(self, req: Request) -> int:
+        """How much of a new request's prompt the cache holds (one token is always left to
+        compute: its logits give the first output token)."""
+        if self.prefix is None or req.num_computed or req.swap_key is not None:
+            return 0
+        if not req.cache_prompt:
+            return 0
+        return min(self.prefix.match(req.prompt_ids), req.num_prompt - 1)
+
+    def _read_prefix(self, req: Request) -> None:
+        assert self.prefix is not None and req.seq_id is not None
+        lease, ops = self.prefix.acquire(req.prompt_ids, req.seq_id, req.num_prompt - 1)
+        req.lease, req.shared, req.num_computed = lease, lease.length, lease.length
+        self._note_ops(ops)
+
+    def _make_room(self, n: int) -> None:
+        """Evict cached prefixes nobody reads until `n` cells are free (or none is left)."""
+        if self.prefix is not None and self.pool.free < n:
+            freed, ops = self.prefix.evict(n - self.pool.free)
+            self.pool.cache(-freed)
+            self._note_ops(ops)
+
+    def _note_ops(self, ops: list[KVOp]) -> None:
+        self._kv_ops += ops
+        self._unhold_after += [op.seq for op in ops if isinstance(op, Release)]
+
+    def _drop_lease(self, req: Request) -> None:
+        if req.lease is not None:
+            assert self.prefix is not None
+            self.prefix.release(req.lease)
+        req.lease, req.shared = None, 0
+
+    def _keep_as_cache(self, req: Request) -> None:
+        """A finished request's KV joins the cache: what is new becomes a leaf its sequence
+        holds; what the cache had already is given up (the ops say which)."""
+        assert self.prefix is not None and req.seq_id is not None
+        tokens = req.tokens_from(0, req.num_computed)
+        given_up, ops = self.prefix.insert(tokens, req.seq_id, req.shared)
+        new = req.num_computed - req.shared - given_up
+        self._drop_lease(req)
+        self.pool.hold(req.seq_id, new)
+        if not any(isinstance(op, Release) and op.seq == req.seq_id for op in ops):
+            self._retained.append(req.seq_id)
+        self._note_ops(ops)
+        req.seq_id = None
+        while self.pool.num_held - len(self._unhold_after) > self.cfg.max_cached_seqs:
+            freed, ops = self.prefix.evict(1)
+            self.pool.cache(-freed)
+            self._note_ops(ops)
 
     def _note_kv_wait(self, req: Request, now: float) -> None:
         """A request leaves the queue: count the time KV kept it out."""
@@ -308,7 +393,7 @@ class Scheduler:
         total = 0
         for r in self.running:
             assert r.seq_id is not None
-            total += max(0, r.num_tokens - self.pool.cells(r.seq_id))
+            total += max(0, r.num_tokens - r.shared - self.pool.cells(r.seq_id))
             total += self.growth.cells(r.max_tokens - len(r.output_ids))
         return total
 
@@ -323,6 +408,7 @@ class Scheduler:
         Returns (reserved, number preempted); `req` itself may be the one preempted.
         """
         preempted = 0
+        self._make_room(n)
         while self.pool.free < n:
             self.growth.preempted()
             # the least work lost: the fewest computed tokens, the newest among equals
@@ -341,6 +427,7 @@ class Scheduler:
         cheaper than computing it again (`_swap_is_cheaper`); else it recomputes prompt +
         output on resume."""
         assert req.seq_id is not None
+        self._drop_lease(req)  # a swap saves the prefix it read too: it comes back its own
         if self._swap_is_cheaper(req.num_computed):
             key = self.swap.take(req.num_computed)
             self._swap_out.append((req.seq_id, key))
@@ -440,7 +527,12 @@ class Scheduler:
             self._unswap(req)
         if req.status is RequestStatus.WAITING:
             self._note_kv_wait(req, now)
-        self._release_seq(req)
+        keep = status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+        if keep and self.prefix is not None and req.seq_id is not None and req.cache_prompt:
+            self._keep_as_cache(req)
+        else:
+            self._drop_lease(req)
+            self._release_seq(req)
         req.status = status
         del self._by_id[req.req_id]
         started = req.first_scheduled_time

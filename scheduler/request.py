@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from engine.detok import IncrementalDetokenizer
 from engine.step_types import Sampled, SamplingParams
+from scheduler.prefix import Lease
 from scheduler.stops import StopMatcher
 
 # The finish_reason of a stream the server ended because it is shutting down (the drain
@@ -66,6 +67,9 @@ class Request:
     num_computed: int = 0
     num_preemptions: int = 0
     swap_key: int | None = None  # its KV waits in host RAM under this key (preempted)
+    lease: Lease | None = None  # the cached prefix it reads (prefix cache)
+    shared: int = 0  # its first positions read from the cache, not its own cells
+    cache_prompt: bool = True  # may read and feed the prefix cache
     queued_time: float | None = None  # when it last joined the queue (None: at arrival)
     kv_wait_s: float = 0.0  # time it waited in the queue while KV kept it out
     first_scheduled_time: float | None = None

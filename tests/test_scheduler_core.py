@@ -66,8 +66,10 @@ class Driver:
             step = Step(out, [], None)
         else:
             result = self.fake.step(out.batch)
-            # The batch's releases and starts leave the engine holding exactly the running set.
-            assert set(self.fake.kv) == {r.seq_id for r in sched.running}
+            # The batch's releases and starts leave the engine holding exactly the running
+            # set, and the prefix cache's holders.
+            holders = sched.pool._held - set(sched._unhold_ready)
+            assert set(self.fake.kv) == {r.seq_id for r in sched.running} | holders
             outputs, stats = sched.postprocess(out, result, self.now)
             step = Step(out, outputs, stats)
             for o in outputs:
@@ -147,13 +149,15 @@ def check_mirror(sched: Scheduler, fake: FakeEngine) -> None:
     total = 0
     for r in sched.running:
         assert r.seq_id is not None
-        assert sched.pool.cells(r.seq_id) == r.num_computed
+        assert sched.pool.cells(r.seq_id) == r.num_computed - r.shared
         if r.seq_id in fake.kv:
             assert fake.history(r.seq_id) == r.tokens_from(0, r.num_computed)
         else:  # admitted by a schedule whose step did not run (an empty or failed one)
             assert r.num_computed == 0
-        total += r.num_computed
-    assert sched.pool.used == total
+        total += r.num_computed - r.shared
+    assert sched.pool.used == total + sched.pool.cached
+    if not sched._released and not sched._kv_ops:  # (the engine drops those next step)
+        assert fake.kv_used == sched.pool.used  # shared cells counted once on both sides
     # A swapped request's KV is in the engine's swap store, as many cells as it computed.
     swapped = [r for r in sched.waiting if r.swap_key is not None]
     assert sched.swap.used == sum(r.num_computed for r in swapped)
@@ -990,3 +994,51 @@ def test_reference_is_what_the_fake_produces_alone() -> None:
     for tok in ref.token_ids:
         assert next_token(hist) == tok
         hist.append(tok)
+
+
+# ---- prefix cache -----------------------------------------------------------------------
+
+
+def test_a_prompt_the_cache_holds_is_not_computed_again() -> None:
+    """A finished request's KV stays as cache: a later prompt with the same start reads
+    those cells (its first chunk starts after them) and its output is what it would be."""
+    d = Driver(cfg(prefix_cache=True, max_cached_seqs=4))
+    system = prompt(16, 3)
+    d.add(make_request("a", [*system, 1, 2, 3], 5))
+    d.run()
+    assert d.sched.pool.cached == 16 + 3 + 4  # prompt and the output tokens it computed
+    b = d.add(make_request("b", [*system, 9, 9], 5))
+    step = d.step()
+    chunk = step.out.batch.chunks[step.out.reqs.index(b)]
+    assert chunk.pos0 == 16 and b.shared == 16
+    d.run()
+    d.assert_matches_reference("a")
+    d.assert_matches_reference("b")
+
+
+def test_the_cache_gives_way_to_requests_and_keeps_outputs_exact() -> None:
+    """Seeded workloads of shared prefixes in a small pool: cached prefixes are read where
+    they match and evicted for new work, the pool's and the engine's cells stay in step
+    (the driver checks after every step) and every request gets exactly its output alone."""
+    read: set[tuple[int, str]] = set()  # (seed, request) that read a cached prefix
+    for seed in range(12):
+        rng = random.Random(seed)
+        d = Driver(
+            cfg(max_num_seqs=3, kv_capacity=120, max_num_batched_tokens=16, prefix_cache=True,
+                max_cached_seqs=3)
+        )  # fmt: skip
+        heads = [prompt(rng.randint(4, 20), s) for s in range(3)]
+        for i in range(14):
+            tail = [rng.randrange(1, 40) for _ in range(rng.randint(1, 12))]
+            d.add(make_request(f"r{i}", rng.choice(heads) + tail, rng.randint(1, 10)))
+            for _ in range(rng.randint(0, 6)):
+                if d.sched.has_work:
+                    d.step()
+                    read |= {(seed, r.req_id) for r in d.sched.running if r.shared}
+        while d.sched.has_work:
+            d.step()
+            read |= {(seed, r.req_id) for r in d.sched.running if r.shared}
+        for i in range(14):
+            d.assert_matches_reference(f"r{i}")
+        assert d.sched.pool.num_held - len(d.sched._unhold_ready) <= 3
+    assert len(read) > 20
