@@ -33,7 +33,6 @@ from api.openapi import openapi_json
 from api.planning import Placement, describe
 from api.state import ServerSettings, ServerState, server_state
 from engine.chat_template import ChatTemplate
-from engine.gguf_meta import read_meta
 from engine.model import Model
 from engine.runner import Engine
 from scheduler.core import Scheduler, SchedulerConfig
@@ -79,7 +78,7 @@ def _state(
         tile = 0
     # Each cell of a swapped sequence: all layers' K and V (an f16 upper bound: sliding-
     # window layers keep fewer), plus llama.cpp's per-cell position and sequence record.
-    cell_bytes = read_meta(settings.engine.model_path).kv_bytes_per_token + 12
+    cell_bytes = placement.kv_bytes_per_token + 12
     scheduler = Scheduler(
         SchedulerConfig(
             max_num_seqs=model.n_seq_max,

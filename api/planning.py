@@ -125,10 +125,12 @@ def _check_saved(
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """Where the served weights are: bytes and tensor counts by device, the expert layout."""
+    """Where the served weights are: bytes and tensor counts by device, the expert layout;
+    and, from the same header, what one token's KV takes (f16, every layer)."""
 
     placed: dict[str, tuple[int, int]]
     experts: ExpertLayout | None
+    kv_bytes_per_token: int
 
 
 def describe(cfg: EngineConfig, on_gpu_build: bool, n_layer: int, n_expert: int) -> Placement:
@@ -164,4 +166,4 @@ def describe(cfg: EngineConfig, on_gpu_build: bool, n_layer: int, n_expert: int)
         if n_expert
         else None
     )
-    return Placement({k: (v[0], v[1]) for k, v in placed.items()}, layout)
+    return Placement({k: (v[0], v[1]) for k, v in placed.items()}, layout, meta.kv_bytes_per_token)

@@ -76,12 +76,12 @@ class Engine:
         """
         t_start = time.perf_counter()
         ids = self._llama_id
-        swap = StepResult({})
+        saved, lost_out = 0, []
         for seq_id, key in batch.swap_out:
             n = self.swap.save(key, ids.get(seq_id, seq_id))
-            swap.swap_out_bytes += n
+            saved += n
             if not n:
-                swap.swap_out_failed.append(key)
+                lost_out.append(key)
         t_saved = time.perf_counter()
         for seq_id in batch.released:
             self.context.seq_rm(ids.pop(seq_id, seq_id))
@@ -95,25 +95,24 @@ class Engine:
         for op in batch.kv_ops:
             self._apply(op)
         t_restore = time.perf_counter()
-        chunks = batch.chunks
+        restored, lost_in, chunks = 0, [], batch.chunks
         if batch.swap_in:
             lost = set()
             for key, seq_id in batch.swap_in:
                 n = self.swap.restore(key, ids.get(seq_id, seq_id))
-                swap.swap_in_bytes += n
+                restored += n
                 if not n:
-                    swap.swap_in_failed.append(key)
+                    lost_in.append(key)
                     lost.add(seq_id)
             chunks = [c for c in chunks if c.seq_id not in lost]
         for key in batch.swap_drop:
             self.swap.drop(key)
-        swap.swap_out_s = t_saved - t_start
-        swap.swap_in_s = time.perf_counter() - t_restore
-        t_start += swap.swap_out_s + swap.swap_in_s  # the step's fill time excludes swaps
-        result = self._run(chunks, t_start)
-        result.swap_out_s, result.swap_in_s = swap.swap_out_s, swap.swap_in_s
-        result.swap_out_bytes, result.swap_in_bytes = swap.swap_out_bytes, swap.swap_in_bytes
-        result.swap_out_failed, result.swap_in_failed = swap.swap_out_failed, swap.swap_in_failed
+        t_swapped = time.perf_counter()
+        # the step's fill time excludes the copies (the stall cost model must not learn them)
+        result = self._run(chunks, t_saved + (t_swapped - t_restore))
+        result.swap_out_s, result.swap_in_s = t_saved - t_start, t_swapped - t_restore
+        result.swap_out_bytes, result.swap_in_bytes = saved, restored
+        result.swap_out_failed, result.swap_in_failed = lost_out, lost_in
         return result
 
     def _apply(self, op: KVOp) -> None:

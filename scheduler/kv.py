@@ -155,9 +155,6 @@ class SwapSpace:
         self.used -= cells
         return cells
 
-    def __len__(self) -> int:
-        return len(self._held)
-
     def sanity_checks(self) -> None:
         assert self.used == sum(self._held.values()), "swap cells drifted"
         assert 0 <= self.used <= self.capacity, "swap space over capacity"
@@ -177,10 +174,6 @@ class SwapCost:
     def __init__(self, bytes_per_cell: int) -> None:
         self.bytes_per_cell = bytes_per_cell
         self.seconds_per_byte = 1.0 / self.PRIOR_BYTES_PER_S
-
-    @property
-    def bytes_per_s(self) -> float:
-        return 1.0 / self.seconds_per_byte
 
     def seconds(self, cells: int) -> float:
         return 2 * cells * self.bytes_per_cell * self.seconds_per_byte

@@ -52,6 +52,7 @@ class PrefixIndex:
         self._root = _Node([], 0, None)
         self._tick = 0
         self.cells = 0  # cells held by the tree, each counted once
+        self._locked = 0  # of which in nodes a running request reads (refs > 0)
 
     # ---- reading ---------------------------------------------------------------------
     def match(self, tokens: Sequence[int]) -> int:
@@ -71,6 +72,7 @@ class PrefixIndex:
         self._tick += 1
         n: _Node | None = node
         while n is not None and n is not self._root:
+            self._locked += len(n.tokens) if n.refs == 0 else 0
             n.refs += 1
             n.last_used = self._tick
             n = n.parent
@@ -80,6 +82,7 @@ class PrefixIndex:
         n = lease.node
         while n is not None and n is not self._root:
             n.refs -= 1
+            self._locked -= len(n.tokens) if n.refs == 0 else 0
             n = n.parent
 
     # ---- writing ---------------------------------------------------------------------
@@ -124,8 +127,8 @@ class PrefixIndex:
 
     @property
     def evictable(self) -> int:
-        """Cells no running request reads: what eviction could free."""
-        return sum(len(n.tokens) for n in self._nodes() if n.refs == 0)
+        """Cells no running request reads: what eviction could free (asked every step)."""
+        return self.cells - self._locked
 
     # ---- internals -------------------------------------------------------------------
     def _walk(self, tokens: Sequence[int]) -> tuple[_Node, int]:
@@ -192,6 +195,7 @@ class PrefixIndex:
     def sanity_checks(self) -> None:
         nodes = self._nodes()
         assert self.cells == sum(len(n.tokens) for n in nodes), "cached cells drifted"
+        assert self._locked == sum(len(n.tokens) for n in nodes if n.refs), "locked drifted"
         for n in nodes:
             assert n.tokens, "empty edge"
             assert (n.holder is not None) == (not n.children), "holders live on leaves"

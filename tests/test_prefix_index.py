@@ -71,7 +71,7 @@ def check(index: PrefixIndex, cache: Cache, running: dict[int, Running]) -> None
         assert cache.seen_by(r.seq) == r.tokens
         private += len(r.tokens) - r.lease.length
     assert len(cache.cells) == index.cells + private
-    for leaf in index._free_leaves() + [n for n in index._nodes() if n.holder is not None]:
+    for leaf in [n for n in index._nodes() if n.holder is not None]:
         assert leaf.holder is not None
         path, n = [], leaf
         while n is not None and n.parent is not None:
