@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from engine.step_types import KVOp, Release, Sampled, SeqChunk, SeqStart, StepBatch, StepResult
 from scheduler.budget import StepCostModel, StepTimeBudget
 from scheduler.kv import GrowthEstimate, KVPool, SwapCost, SwapSpace
-from scheduler.prefix import PrefixIndex
+from scheduler.prefix import Lease, PrefixIndex
 from scheduler.request import Request, RequestOutput, RequestStatus
 from scheduler.stats import FinishedStats, StepStats
 
@@ -40,6 +40,7 @@ class SchedulerConfig:
     kv_bytes_per_cell: int = 0  # what one cell takes there (all layers' K and V)
     prefix_cache: bool = False  # finished sequences' KV stays as a cache new prompts read
     max_cached_seqs: int = 0  # sequence ids kept for the cache, beyond max_num_seqs
+    sliding_window: int = 0  # the model's attention window, if it has one (see prefix.py)
 
 
 @dataclass(slots=True)
@@ -69,7 +70,10 @@ class Scheduler:
         self.cfg = cfg
         holders = cfg.max_cached_seqs if cfg.prefix_cache else 0
         self.pool = KVPool(cfg.kv_capacity, cfg.max_num_seqs + holders)
-        self.prefix = PrefixIndex() if cfg.prefix_cache else None
+        self.prefix = PrefixIndex(cfg.sliding_window) if cfg.prefix_cache else None
+        self._prefix_query = 0  # since the last stats: prompt tokens looked up,
+        self._prefix_hit = 0  # ... of which read from the cache,
+        self._prefix_evicted = 0  # ... and cached cells evicted
         self._kv_ops: list[KVOp] = []  # for the next batch
         self._retained: list[int] = []  # finished sequences kept as cache holders
         self._unhold_after: list[int] = []  # holder ids released by ops not yet sent
@@ -202,7 +206,7 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             n = timer.grant(
-                min(req.num_uncomputed, budget, self._chunk_cap()),
+                min(req.num_uncomputed, budget, self._chunk_cap(), self._until_split(req)),
                 req.num_computed,
                 req.num_uncomputed,
             )
@@ -240,14 +244,22 @@ class Scheduler:
             and self._short_of_kv(committed)
         ):
             can_admit, kv_blocked = False, True
-        while (
-            can_admit and self.waiting and budget > 0 and self.pool.num_free_seqs > 0
-            and len(self.running) < self.cfg.max_num_seqs
-        ):  # fmt: skip
-            req = self.waiting[0]
+        for req in list(self.waiting):
+            if not (
+                can_admit and budget > 0 and self.pool.num_free_seqs > 0
+                and len(self.running) < self.cfg.max_num_seqs
+            ):  # fmt: skip
+                break
+            if self._waits_for_publish(req, plan):
+                continue
             cached = self._cached_prefix(req)
             rest = req.num_uncomputed - cached
-            n = timer.grant(min(rest, budget, self._chunk_cap()), req.num_computed + cached, rest)
+            # requests with this very prompt wait: it computes all but the last token first
+            split = req.num_prompt - 1 - cached > 0 and self._siblings_wait(req)
+            cap = req.num_prompt - 1 - cached if split else rest
+            n = timer.grant(
+                min(rest, budget, self._chunk_cap(), cap), req.num_computed + cached, rest
+            )
             if n < 1:
                 break
             held = req.num_computed
@@ -260,7 +272,8 @@ class Scheduler:
                 kv_blocked = True
                 break
             committed += need - n
-            self.waiting.popleft()
+            self.waiting.remove(req)
+            req.split_last = split
             self._note_kv_wait(req, now)
             req.seq_id = self.pool.open()
             req.status = RequestStatus.RUNNING
@@ -270,6 +283,9 @@ class Scheduler:
             starts.append(SeqStart(req.seq_id, req.params, list(req.output_ids)))
             if req.swap_key is not None:  # it leaves the swap space once restored
                 swap_in.append((req.swap_key, req.seq_id))
+            if self._looks_up(req):
+                self._prefix_query += req.num_prompt
+                self._prefix_hit += cached
             if cached:
                 self._read_prefix(req)
             self._make_room(held + n)
@@ -310,27 +326,124 @@ class Scheduler:
         never keeps out a request that would fit without it."""
         return self.pool.free + (self.prefix.evictable if self.prefix is not None else 0)
 
+    def _looks_up(self, req: Request) -> bool:
+        """A new request (not one resuming) that may read the cache."""
+        return (
+            self.prefix is not None and req.cache_prompt and req.num_computed == 0
+            and req.swap_key is None
+        )  # fmt: skip
+
     def _cached_prefix(self, req: Request) -> int:
-        """How much of a new request's prompt the cache holds (one token is always left to
-        compute: its logits give the first output token)."""
-        if self.prefix is None or req.num_computed or req.swap_key is not None:
+        """How much of a new request's prompt it can read from the cache (one token is
+        always left to compute: its logits give the first output token)."""
+        if self.prefix is None or not self._looks_up(req):
             return 0
-        if not req.cache_prompt:
-            return 0
-        return min(self.prefix.match(req.prompt_ids), req.num_prompt - 1)
+        return self.prefix.readable(req.prompt_ids, req.num_prompt - 1)
 
     def _read_prefix(self, req: Request) -> None:
         assert self.prefix is not None and req.seq_id is not None
         lease, ops = self.prefix.acquire(req.prompt_ids, req.seq_id, req.num_prompt - 1)
         req.lease, req.shared, req.num_computed = lease, lease.length, lease.length
+        req.num_cached = lease.length
         self._note_ops(ops)
+
+    # A waiting request shares at least this many tokens it cannot read yet with a prompt
+    # being computed: it waits for that prompt to be offered to the cache (below).
+    SHARE_MIN = 64
+
+    def _waits_for_publish(self, req: Request, plan: dict[str, tuple[Request, int]]) -> bool:
+        """Should `req` wait for a running request that is computing a long stretch of its
+        prompt? That request offers its prompt to the cache once computed (`_publish`),
+        and `req` then computes only the rest: a burst of requests behind one system
+        prompt, or the `n` choices of one request, compute it once (SGLang does the same
+        within a batch). A stretch that request will not offer (it decodes already, or
+        it is past the point it offers) is no reason to wait.
+
+        With a sliding window a read must end at the end of what is offered, so `req`
+        waits only if its prompt holds all of it; for the choices of one request (equal
+        prompts) the offering request first computes its prompt but the last token."""
+        if self.prefix is None or not self._looks_up(req):
+            return False
+        limit = req.num_prompt - 1
+        have = self._cached_prefix(req)
+        for r in self.running:
+            if r.published or not r.cache_prompt or r.output_ids or r.swap_key is not None:
+                continue
+            end = r.num_computed + (plan[r.req_id][1] if r.req_id in plan else 0)
+            point = r.num_prompt - 1 if r.split_last else r.num_prompt
+            if end > point:
+                continue
+            c = _common_prefix(req.prompt_ids, r.prompt_ids, limit)
+            if not self.prefix.window:
+                if c - have >= self.SHARE_MIN:
+                    return True
+            elif c >= point:
+                return True
+            elif c == r.num_prompt - 1 and r.num_computed < c and end <= c:  # the same prompt
+                r.split_last = True
+                return True
+        return False
+
+    def _siblings_wait(self, req: Request) -> bool:
+        """With a sliding window: requests with this very prompt wait behind it, so it
+        offers its prompt but the last token (what they can read) before computing it."""
+        if self.prefix is None or not self.prefix.window or not self._looks_up(req):
+            return False
+        return any(w is not req and w.prompt_ids == req.prompt_ids for w in self.waiting)
+
+    def _until_split(self, req: Request) -> int:
+        """Tokens `req` may compute before the point it offers its prompt at."""
+        if req.split_last and not req.published and req.num_computed < req.num_prompt - 1:
+            return req.num_prompt - 1 - req.num_computed
+        return self.cfg.max_num_batched_tokens
+
+    def _publish(self, req: Request) -> None:
+        """`req` computed its prompt (or all but its last token): a fresh holder tags the
+        same cells as a cache leaf, so requests arriving while it decodes read them."""
+        assert self.prefix is not None and req.seq_id is not None
+        req.published = True
+        n = req.num_computed
+        lease = req.lease or Lease(None, 0)
+        tokens = req.prompt_ids[:n]
+        if n == lease.length or self.prefix.match(tokens) != lease.length:
+            return
+        if not self._holder_room():
+            return
+        holder = self.pool.open()
+        out = self.prefix.publish(tokens, req.seq_id, holder, lease)
+        assert out is not None
+        new_lease, ops = out
+        self.pool.shrink(req.seq_id, n - lease.length)
+        self.pool.hold(holder, n - lease.length)
+        req.lease, req.shared = new_lease, n
+        self._note_ops(ops)
+
+    @property
+    def _num_holders(self) -> int:
+        """Sequence ids holding the cache, not counting those whose release is under way."""
+        return self.pool.num_held - len(self._unhold_after) - len(self._unhold_ready)
+
+    def _holder_room(self) -> bool:
+        """Make room for one more holder (evicting least recently used leaves), keeping
+        an id for every request that may still be admitted; False if there is none."""
+        assert self.prefix is not None
+        while self._num_holders >= self.cfg.max_cached_seqs:
+            if not self._evict(1):
+                return False
+        return self.pool.num_free_seqs > self.cfg.max_num_seqs - len(self.running)
+
+    def _evict(self, cells: int) -> bool:
+        assert self.prefix is not None
+        freed, ops = self.prefix.evict(cells)
+        self.pool.cache(-freed)
+        self._prefix_evicted += freed
+        self._note_ops(ops)
+        return bool(ops)
 
     def _make_room(self, n: int) -> None:
         """Evict cached prefixes nobody reads until `n` cells are free (or none is left)."""
         if self.prefix is not None and self.pool.free < n:
-            freed, ops = self.prefix.evict(n - self.pool.free)
-            self.pool.cache(-freed)
-            self._note_ops(ops)
+            self._evict(n - self.pool.free)
 
     def _note_ops(self, ops: list[KVOp]) -> None:
         self._kv_ops += ops
@@ -355,10 +468,8 @@ class Scheduler:
             self._retained.append(req.seq_id)
         self._note_ops(ops)
         req.seq_id = None
-        while self.pool.num_held - len(self._unhold_after) > self.cfg.max_cached_seqs:
-            freed, ops = self.prefix.evict(1)
-            self.pool.cache(-freed)
-            self._note_ops(ops)
+        while self._num_holders > self.cfg.max_cached_seqs and self._evict(1):
+            pass
 
     def _note_kv_wait(self, req: Request, now: float) -> None:
         """A request leaves the queue: count the time KV kept it out."""
@@ -578,6 +689,11 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue
             req.num_computed += len(chunk.tokens)
+            if (
+                self.prefix is not None and req.cache_prompt and not req.published
+                and req.num_computed == (req.num_prompt - 1 if req.split_last else req.num_prompt)
+            ):  # fmt: skip
+                self._publish(req)
             if chunk.sample:
                 outputs.append(self._append(req, result.sampled[chunk.seq_id], now, stats))
         return outputs, self._close_stats(stats)
@@ -645,6 +761,7 @@ class Scheduler:
             finish_reason=finish_reason,
             num_prompt_tokens=req.num_prompt,
             num_output_tokens=len(req.output_ids),
+            num_cached_tokens=req.num_cached,
         )
 
     def _close_stats(self, stats: StepStats) -> StepStats:
@@ -658,6 +775,28 @@ class Scheduler:
         stats.num_recomputed_tokens, self._recomputed = self._recomputed, 0
         stats.num_preempted, self._num_preempted = self._num_preempted, 0
         stats.num_swapped_out, self._num_swapped_out = self._num_swapped_out, 0
+        stats.kv_cached = self.pool.cached
+        stats.prefix_query_tokens, self._prefix_query = self._prefix_query, 0
+        stats.prefix_hit_tokens, self._prefix_hit = self._prefix_hit, 0
+        stats.prefix_evicted_cells, self._prefix_evicted = self._prefix_evicted, 0
         stats.swap_used_cells = self.swap.used
         stats.swap_capacity_cells = self.swap.capacity
         return stats
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """The length of the longest common prefix of `a` and `b`, at most `limit` (slices
+    compare in C: a binary search over them beats a Python loop over tokens)."""
+    hi = min(len(a), len(b), limit)
+    if hi <= 0 or a[0] != b[0]:
+        return 0
+    if a[:hi] == b[:hi]:
+        return hi
+    lo = 1  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

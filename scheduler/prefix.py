@@ -14,6 +14,14 @@ Pure bookkeeping: every change the engine must make to its cache is returned as 
 (`Share`, `Trim`, `Release`), in order, for the caller to put in the next step's batch.
 Cells are counted once, under the tree (`cells`); a node read by a running request
 (`refs` > 0, from `acquire` until `release`) is never evicted.
+
+Sliding-window attention (`window` > 0, e.g. Gemma 3): llama.cpp lets a new token's cell
+overwrite a cell that has one owner and lies a window or more behind that owner's last
+position, so a holder keeps only its last `window` positions intact on those layers. A
+reader that continues from position L needs the window before L: the only point that is
+certainly intact is the end of a leaf whose holder computed or read its last window itself
+(`readable`). With a window the index lends only such ends, and never gives a finishing
+sequence cells of another holder for its own last window (it then caches nothing).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ class _Node:
     holder: int | None = None  # leaves only: the seq id holding root → its end
     refs: int = 0  # running requests reading through it
     last_used: int = 0
+    readable: bool = True  # a read may end here (see the module docstring on windows)
 
     @property
     def end(self) -> int:
@@ -48,7 +57,8 @@ class Lease:
 
 
 class PrefixIndex:
-    def __init__(self) -> None:
+    def __init__(self, window: int = 0) -> None:
+        self.window = window  # the model's sliding attention window (0: none)
         self._root = _Node([], 0, None)
         self._tick = 0
         self.cells = 0  # cells held by the tree, each counted once
@@ -60,13 +70,30 @@ class PrefixIndex:
         node, off = self._walk(tokens)
         return (node.start + off) if node is not self._root else 0
 
-    def acquire(self, tokens: Sequence[int], seq: int, limit: int) -> tuple[Lease, list[KVOp]]:
-        """Let `seq` (a fresh sequence) read the longest cached prefix of `tokens`, at most
-        `limit` tokens (a request must still compute one token of its own, for logits).
-        Its nodes cannot be evicted until `release`."""
+    def readable(self, tokens: Sequence[int], limit: int) -> int:
+        """How much of `tokens` (at most `limit`) a new sequence can read: the longest
+        cached prefix, or with a window the longest that ends where a read may end."""
         node, off = self._walk(tokens[:limit])
         if node is self._root or off == 0:
+            return 0
+        if self.window and (node.children or off < len(node.tokens) or not node.readable):
+            return 0
+        return node.start + off
+
+    def acquire(self, tokens: Sequence[int], seq: int, limit: int) -> tuple[Lease, list[KVOp]]:
+        """Let `seq` (a fresh sequence) read the longest readable prefix of `tokens`, at
+        most `limit` tokens (a request must still compute one token of its own, for
+        logits). Its nodes cannot be evicted until `release`."""
+        n = self.readable(tokens, limit)
+        if n == 0:
             return Lease(None, 0), []
+        lease = self._lock(tokens, n)
+        assert lease.node is not None
+        return lease, [Share(self._holder_below(lease.node), seq, 0, n)]
+
+    def _lock(self, tokens: Sequence[int], length: int) -> Lease:
+        node, off = self._walk(tokens[:length])
+        assert node is not self._root and node.start + off == length
         if off < len(node.tokens):
             node = self._split(node, off)
         self._tick += 1
@@ -76,7 +103,7 @@ class PrefixIndex:
             n.refs += 1
             n.last_used = self._tick
             n = n.parent
-        return Lease(node, node.end), [Share(self._holder_below(node), seq, 0, node.end)]
+        return Lease(node, node.end)
 
     def release(self, lease: Lease) -> None:
         n = lease.node
@@ -97,6 +124,10 @@ class PrefixIndex:
         if k == len(tokens):  # nothing new: every cell it holds beyond `shared` is a copy
             self._touch(node)
             return len(tokens) - shared, [Release(seq)]
+        if k > shared and self.window and k > len(tokens) - self.window + 1:
+            # the tree's cells there may be gone from the window layers, which a read at
+            # the new leaf's end needs: keep nothing rather than lend a broken prefix
+            return len(tokens) - shared, [Release(seq)]
         ops: list[KVOp] = []
         if node is not self._root and off < len(node.tokens):
             node = self._split(node, off)
@@ -111,6 +142,22 @@ class PrefixIndex:
         self.cells += len(leaf.tokens)
         self._touch(leaf)
         return k - shared, ops
+
+    def publish(
+        self, tokens: Sequence[int], seq: int, holder: int, lease: Lease
+    ) -> tuple[Lease, list[KVOp]] | None:
+        """A running sequence `seq`, which read `lease`, has computed `tokens` (its prompt):
+        `holder`, a fresh id, tags the same cells and holds them as a new leaf, so
+        requests arriving while `seq` decodes read them. `seq`'s lease moves to that leaf.
+        None (nothing changes) when the tree has nothing new from `seq`, or holds more of
+        `tokens` than `seq` read (its own cells there are not the tree's)."""
+        n = len(tokens)
+        if n == lease.length or self.match(tokens) != lease.length:
+            return None
+        given_up, ops = self.insert(tokens, holder, lease.length)
+        assert given_up == 0 and not any(isinstance(op, Trim) for op in ops)
+        self.release(lease)
+        return self._lock(tokens, n), [Share(seq, holder, 0, n), *ops]
 
     def evict(self, cells: int) -> tuple[int, list[KVOp]]:
         """Free at least `cells` cells (if that many are evictable), least recently used
@@ -179,6 +226,7 @@ class PrefixIndex:
         if parent is self._root or parent.children:
             return Release(holder)  # the rest of its path is held by others (or is empty)
         parent.holder = holder  # the parent is a leaf now, held by what held its child
+        parent.readable = not self.window  # whose window ended beyond it
         return Trim(holder, leaf.start, -1)
 
     def _free_leaves(self) -> list[_Node]:

@@ -70,6 +70,9 @@ class Request:
     lease: Lease | None = None  # the cached prefix it reads (prefix cache)
     shared: int = 0  # its first positions read from the cache, not its own cells
     cache_prompt: bool = True  # may read and feed the prefix cache
+    num_cached: int = 0  # prompt tokens it read from the cache instead of computing them
+    published: bool = False  # its prompt was offered to the cache while it runs
+    split_last: bool = False  # its prompt but the last token is offered (see Scheduler)
     queued_time: float | None = None  # when it last joined the queue (None: at arrival)
     kv_wait_s: float = 0.0  # time it waited in the queue while KV kept it out
     first_scheduled_time: float | None = None
@@ -114,3 +117,4 @@ class RequestOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    num_cached_tokens: int = 0  # of the prompt tokens, those read from the prefix cache

@@ -39,6 +39,10 @@ class StepStats:
     swap_out_bytes: int = 0
     swap_in_bytes: int = 0
     swap_s: float = 0.0  # engine time copying KV to and from host RAM
+    prefix_query_tokens: int = 0  # prompt tokens of requests that looked up the cache
+    prefix_hit_tokens: int = 0  # of which read from it
+    prefix_evicted_cells: int = 0  # cached cells given back to the pool
+    kv_cached: int = 0  # of `kv_used`, cells of the prefix cache (read by none or many)
     swap_used_cells: int = 0  # cells held in host RAM after the step
     swap_capacity_cells: int = 0
     schedule_s: float = 0.0  # schedule(): which tokens go in

@@ -121,6 +121,8 @@ class FakeEngine:
     swap_bytes_per_s: float = 1e9
     bytes_per_cell: int = 1
     lose_swaps: set[int] = field(default_factory=set)
+    window: int = 0  # sliding attention window: cells llama.cpp may overwrite (`pruned`)
+    pruned: set[int] = field(default_factory=set)
     swapped: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)
     _next_cell: int = 0
 
@@ -140,6 +142,8 @@ class FakeEngine:
         """The prefix index's ops, with llama.cpp's meaning (`seq_cp`, `seq_rm`)."""
         if isinstance(op, Share):
             src = [c for c in self.kv.get(op.src, []) if op.p0 <= c[0] < op.p1]
+            if op.p0 == 0 and op.dst not in self.kv:  # a new cache holder takes a copy
+                self.kv[op.dst] = []
             if len(src) != op.p1 - op.p0 or op.dst not in self.kv:
                 raise ContractViolation(f"step {i}: {op} from cells it does not hold")
             if any(op.p0 <= c[0] < op.p1 for c in self.kv[op.dst]):
@@ -154,6 +158,23 @@ class FakeEngine:
             assert isinstance(op, Release)
             if self.kv.pop(op.seq, None) is None:
                 raise ContractViolation(f"step {i}: {op} of a sequence not live")
+
+    def _prune(self) -> None:
+        """With a window, llama.cpp may give a cell to a new token once it has one owner and
+        lies a window behind that owner's last position: mark every such cell at once (the
+        worst case), so reading one later is caught."""
+        if not self.window:
+            return
+        owners: dict[int, int] = {}
+        for cells in self.kv.values():
+            for _, _, cell in cells:
+                owners[cell] = owners.get(cell, 0) + 1
+        for cells in self.kv.values():
+            if cells:
+                end = max(pos for pos, _, _ in cells) + 1
+                self.pruned |= {
+                    cell for pos, _, cell in cells if owners[cell] == 1 and end - pos >= self.window
+                }
 
     def step(self, batch: StepBatch) -> StepResult:
         i = self.num_steps
@@ -180,6 +201,7 @@ class FakeEngine:
                 raise ContractViolation(f"step {i}: retained seq {seq_id} is not live")
         for op in batch.kv_ops:
             self._apply(i, op)
+        self._prune()
         lost = set()
         for key, seq_id in batch.swap_in:
             if key not in self.swapped or self.kv.get(seq_id) != []:
@@ -216,6 +238,9 @@ class FakeEngine:
                 raise ContractViolation(
                     f"step {i}: seq {c.seq_id} chunk at pos {c.pos0}, KV holds {have} ({kind})"
                 )
+            near = [cell for pos, _, cell in self.kv[c.seq_id] if pos > c.pos0 - self.window]
+            if self.window and any(cell in self.pruned for cell in near):
+                raise ContractViolation(f"step {i}: seq {c.seq_id} reads overwritten cells")
         if i in self.faults:
             raise self.faults.pop(i)
         if self.capacity is not None and self.kv_used + batch.num_tokens > self.capacity:
@@ -224,6 +249,7 @@ class FakeEngine:
             self.kv[c.seq_id].extend(self._new_cells(c.pos0, c.tokens))
             if c.sample:
                 swap.sampled[c.seq_id] = Sampled(self.sample(self.history(c.seq_id)))
+        self._prune()
         n = sum(len(c.tokens) for c in chunks)
         swap.decode_s = self.seconds_per_step + self.seconds_per_token * n
         return swap

@@ -1010,7 +1010,7 @@ def test_a_prompt_the_cache_holds_is_not_computed_again() -> None:
     b = d.add(make_request("b", [*system, 9, 9], 5))
     step = d.step()
     chunk = step.out.batch.chunks[step.out.reqs.index(b)]
-    assert chunk.pos0 == 16 and b.shared == 16
+    assert chunk.pos0 == 16 and b.num_cached == 16
     d.run()
     d.assert_matches_reference("a")
     d.assert_matches_reference("b")
@@ -1034,11 +1034,117 @@ def test_the_cache_gives_way_to_requests_and_keeps_outputs_exact() -> None:
             for _ in range(rng.randint(0, 6)):
                 if d.sched.has_work:
                     d.step()
-                    read |= {(seed, r.req_id) for r in d.sched.running if r.shared}
+                    read |= {(seed, r.req_id) for r in d.sched.running if r.num_cached}
         while d.sched.has_work:
             d.step()
-            read |= {(seed, r.req_id) for r in d.sched.running if r.shared}
+            read |= {(seed, r.req_id) for r in d.sched.running if r.num_cached}
         for i in range(14):
             d.assert_matches_reference(f"r{i}")
         assert d.sched.pool.num_held - len(d.sched._unhold_ready) <= 3
     assert len(read) > 20
+
+
+def prompt_tokens_computed(d: Driver) -> int:
+    return sum(n for step in d.steps for n, _ in step.out.prompt_chunks)
+
+
+def test_requests_behind_one_prompt_compute_it_once() -> None:
+    """A burst behind one long system prompt: the first request computes it and offers it
+    to the cache as soon as it is computed (while it goes on decoding); the others wait for
+    that, read it, and compute only their own questions. Each output is what it is alone."""
+    d = Driver(cfg(prefix_cache=True, max_cached_seqs=8, max_num_batched_tokens=64))
+    system = prompt(100, 3)
+    reqs = [d.add(make_request(f"q{i}", [*system, 1 + i, 2 + i], 4)) for i in range(4)]
+    d.run()
+    assert prompt_tokens_computed(d) == 102 + 3 * 2
+    assert [r.num_cached for r in reqs] == [0, 100, 100, 100]
+    for r in reqs:
+        d.assert_matches_reference(r.req_id)
+    assert d.sched.prefix is not None and d.sched.prefix.evictable == d.sched.prefix.cells
+
+
+@pytest.mark.parametrize("window", [0, 8])
+def test_the_choices_of_one_request_compute_its_prompt_once(window: int) -> None:
+    """`n` choices are requests with one prompt, queued together: it is computed once
+    and each choice computes only the last token (its logits are each choice's own).
+    With a sliding window, the first choice offers all but the last token before computing
+    it, since a read must end where its cells' window is intact (the fake marks every cell
+    llama.cpp may overwrite, and fails a read of one)."""
+    d = Driver(
+        cfg(prefix_cache=True, max_cached_seqs=8, sliding_window=window), FakeEngine(window=window)
+    )
+    p = prompt(80, 5)
+    reqs = [make_request(f"c{i}", list(p), 6) for i in range(4)]
+    d.sched.add_group(reqs)
+    d.reqs.update({r.req_id: r for r in reqs})
+    d.run()
+    assert prompt_tokens_computed(d) == 80 + 3
+    assert [r.num_cached for r in reqs] == [0, 79, 79, 79]
+    for r in reqs:
+        d.assert_matches_reference(r.req_id)
+
+
+def test_with_a_sliding_window_only_intact_prefixes_are_read() -> None:
+    """llama.cpp may overwrite a window layer's cell that one sequence owns once it lies a
+    window behind that sequence's end (the fake marks all such cells and fails any read of
+    one). A cached conversation is read whole — its holder's last window is intact — but
+    never cut short, and a sequence whose own last window the cache would replace with
+    another holder's cells is not cached."""
+    d = Driver(cfg(prefix_cache=True, max_cached_seqs=8, sliding_window=8), FakeEngine(window=8))
+    a = d.add(make_request("a", prompt(40, 1), 5))
+    d.run()
+    b = d.add(make_request("b", prompt(40, 1)[:30] + [7] * 10, 5))  # a's start, then not
+    d.run()
+    assert b.num_cached == 0
+    c = d.add(make_request("c", [*a.prompt_ids, *a.output_ids, 3, 3], 5))  # a's next turn
+    d.run()
+    assert c.num_cached == 44  # all a computed: its prompt and output but the last token
+    cached = d.sched.pool.cached
+    e = d.add(make_request("e", [*prompt(40, 1), 9, 9], 2))  # ends 3 tokens into a's window
+    d.run()
+    assert e.num_cached == 0 and d.sched.pool.cached == cached  # e is not kept
+    for r in (a, b, c, e):
+        d.assert_matches_reference(r.req_id)
+
+
+@pytest.mark.parametrize("window", [0, 6])
+@pytest.mark.parametrize("seed", range(20))
+def test_random_cached_workload_matches_reference(seed: int, window: int) -> None:
+    """Seeded workloads of conversations that come back for their next turn, bursts behind
+    shared prompts and choices of one prompt, in a pool that forces eviction: every output
+    is the request's alone, no read touches a cell a window layer may have lost, the
+    pool's and the engine's cells stay in step after every step (the driver checks), and
+    in the end nothing is locked and every holder id is accounted for."""
+    rng = random.Random(seed)
+    d = Driver(
+        cfg(max_num_seqs=4, kv_capacity=260, max_num_batched_tokens=24, prefix_cache=True,
+            max_cached_seqs=5, sliding_window=window),
+        FakeEngine(window=window),
+    )  # fmt: skip
+    heads = [prompt(rng.randint(10, 40), s) for s in range(3)]
+    done: list[Request] = []
+    for n in range(12):
+        kind = rng.random()
+        if kind < 0.4 and done:  # a conversation's next turn
+            prev = rng.choice(done)
+            reqs = [make_request(f"r{n}", [*prev.prompt_ids, *prev.output_ids, 5, 6], 4)]
+        elif kind < 0.7:  # choices of one prompt
+            p = rng.choice(heads) + [rng.randrange(1, 40) for _ in range(rng.randint(1, 8))]
+            reqs = [make_request(f"r{n}.{k}", list(p), rng.randint(1, 6)) for k in range(3)]
+        else:  # a burst behind one head
+            head = rng.choice(heads)
+            reqs = [
+                make_request(f"r{n}.{k}", head + [rng.randrange(1, 40) for _ in range(3)], 3)
+                for k in range(3)
+            ]
+        for r in reqs:
+            d.add(r)
+        for _ in range(rng.randint(0, 8)):
+            if d.sched.has_work:
+                d.step()
+        done += [r for r in d.reqs.values() if r.status.is_finished and r.output_ids]
+    d.run()
+    for req_id in d.reqs:
+        d.assert_matches_reference(req_id)
+    assert d.sched.prefix is not None and d.sched.prefix.evictable == d.sched.prefix.cells
+    assert d.sched.pool.num_held - len(d.sched._unhold_ready) <= 5
