@@ -91,6 +91,9 @@ def _state(
             min_prefill_chunk=settings.min_prefill_chunk,
             ubatch=ubatch,
             attention_tile=tile,
+            prefix_cache=model.n_cached_seqs > 0,
+            max_cached_seqs=model.n_cached_seqs,
+            sliding_window=model.n_swa,
         )
     )
     name = settings.served_model_name or Path(settings.engine.model_path).stem

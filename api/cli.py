@@ -82,6 +82,13 @@ def _parser() -> argparse.ArgumentParser:
         help="host RAM for preempted requests' KV (saved, restored on resume, where cheaper "
         "than recomputing it; 0 = always recompute)",
     )  # fmt: skip
+    s.add_argument(
+        "--cache-seqs", type=int, default=64,
+        help="conversations (and running prompts) whose KV the prefix cache keeps for later "
+        "requests to read, as sequence ids beyond --n-seq-max",
+    )  # fmt: skip
+    s.add_argument("--no-prefix-cache", action="store_true",
+                   help="compute every prompt in full (no prefix cache)")  # fmt: skip
     s.add_argument("--chat-template", type=Path, help="jinja2 chat template file")
     s.add_argument(
         "--api-key", action="append", default=[],
@@ -237,6 +244,7 @@ def _serve(args: argparse.Namespace) -> None:
         model_path=model_path,
         n_ctx=args.n_ctx,
         n_seq_max=args.n_seq_max,
+        n_cached_seqs=0 if args.no_prefix_cache else max(0, args.cache_seqs),
         n_batch=args.n_batch,
         n_ubatch=args.n_ubatch,
         n_threads=args.threads,
@@ -261,7 +269,8 @@ def _serve(args: argparse.Namespace) -> None:
         kv_tokens=engine.n_ctx + lanes.slots * lanes.ctx,
         n_ubatch=max(engine.n_ubatch, lanes.chunk) if lanes.slots else engine.n_ubatch,
         contexts=2 if lanes.slots else 1,
-        n_outputs=2 * max(engine.n_seq_max, lanes.slots),  # device greedy: two ids a sequence
+        # llama.cpp keeps a row of logits per sequence id (device greedy: two ids a sequence)
+        n_outputs=2 * max(engine.n_seq_max + engine.n_cached_seqs, lanes.slots),
         **_margin(args),
     )
     req = PlanRequest(vram_budget=args.vram_budget, ram_budget=args.ram_budget, options=opts)

@@ -92,6 +92,7 @@ class Choice:
     finish_reason: str = "stop"
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0
 
     def add(self, o: RequestOutput) -> None:
         self.text.append(o.text)
@@ -99,6 +100,7 @@ class Choice:
         self.logprobs.extend(o.logprobs)
         self.num_prompt_tokens = o.num_prompt_tokens
         self.num_output_tokens = o.num_output_tokens
+        self.num_cached_tokens = o.num_cached_tokens
         if o.finish_reason is not None:
             self.finish_reason = o.finish_reason
 
@@ -124,6 +126,7 @@ class Submission:
         stops: tuple[str, ...],
         *,
         ignore_eos: bool = False,
+        cache_prompt: bool = True,
     ) -> None:
         if self.lane == REPRODUCIBLE:
             check_reproducible(params)  # refused, never served in another lane
@@ -139,6 +142,7 @@ class Submission:
                 stops=StopMatcher(stops),
                 is_eog=_never if ignore_eos else model.is_eog,
                 client=self.client,
+                cache_prompt=cache_prompt,
             )
         )
 

@@ -46,8 +46,32 @@ class Metrics:
         self.lane_steps = lane_counter("onegpu_lane_steps", "Engine steps run, by lane")
         self.lane_step_time = lane_counter("onegpu_lane_step_seconds", "Engine step time, by lane")
         self.prompt_tokens = Counter(
-            "onegpu_prompt_tokens", "Prompt tokens prefilled (first pass)", registry=r
+            "onegpu_prompt_tokens",
+            "Prompt tokens of requests that got their first token (cached ones included)",
+            registry=r,
         )
+        self.prefill_tokens = Counter(
+            "onegpu_prefill_tokens",
+            "Prompt tokens computed (not read from the prefix cache; recomputation included)",
+            registry=r,
+        )
+        self.kv_cached = lane_gauge(
+            "onegpu_kv_cache_cached_cells",
+            "Of the used KV cells, those of the prefix cache (counted once, however many "
+            "requests read them)",
+        )
+        self.prefix_query = Counter(
+            "onegpu_prefix_cache_query_tokens",
+            "Prompt tokens of new requests that looked up the prefix cache", registry=r,
+        )  # fmt: skip
+        self.prefix_hit = Counter(
+            "onegpu_prefix_cache_hit_tokens",
+            "Of those, tokens read from the cache instead of computed", registry=r,
+        )  # fmt: skip
+        self.prefix_evicted = Counter(
+            "onegpu_prefix_cache_evicted_cells",
+            "Cached KV cells given back to the pool (least recently used first)", registry=r,
+        )  # fmt: skip
         self.generated_tokens = Counter("onegpu_generation_tokens", "Tokens generated", registry=r)
         self.finished = Counter(
             "onegpu_requests_finished",
@@ -220,6 +244,14 @@ class Metrics:
         self.kv_used.labels(lane=lane).set(s.kv_used)
         self.kv_capacity.labels(lane=lane).set(s.kv_capacity)
         self.kv_reserved.labels(lane=lane).set(s.kv_reserved)
+        self.kv_cached.labels(lane=lane).set(s.kv_cached)
+        if s.num_step_prompt_tokens:
+            self.prefill_tokens.inc(s.num_step_prompt_tokens)
+        if s.prefix_query_tokens:
+            self.prefix_query.inc(s.prefix_query_tokens)
+            self.prefix_hit.inc(s.prefix_hit_tokens)
+        if s.prefix_evicted_cells:
+            self.prefix_evicted.inc(s.prefix_evicted_cells)
         if s.num_recomputed_tokens:
             self.recomputed.inc(s.num_recomputed_tokens)
         if s.num_prompt_tokens:

@@ -50,6 +50,7 @@ from api.schemas import (
     ErrorDetail,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     ResponseMessage,
     TokenLogprob,
     TopLogprob,
@@ -81,8 +82,12 @@ def _check_model(state: ServerState, name: str) -> None:
                             f"`{state.model_name}`.", param="model")  # fmt: skip
 
 
-def _usage(choices_prompt: int, completion: int) -> Usage:
-    return Usage(choices_prompt, completion, choices_prompt + completion)
+def _usage(choices_prompt: int, completion: int, cached: int) -> Usage:
+    """`cached`: prompt tokens read from the prefix cache instead of computed, counted
+    like `choices_prompt` (chat counts its one prompt once: the choices share it)."""
+    return Usage(
+        choices_prompt, completion, choices_prompt + completion, PromptTokensDetails(cached)
+    )
 
 
 # ---- logprobs -----------------------------------------------------------------------
@@ -189,7 +194,10 @@ async def chat_completions(request: Request) -> Response:
             params = sampling_params(
                 req, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0, seed_offset=i
             )
-            sub.add(ids, params, max_tokens, stops, ignore_eos=req.ignore_eos)
+            sub.add(
+                ids, params, max_tokens, stops, ignore_eos=req.ignore_eos,
+                cache_prompt=req.cache_prompt,
+            )  # fmt: skip
         sub.submit()
     fp = state.fingerprints[lane]
     created = int(time.time())
@@ -205,6 +213,7 @@ async def chat_completions(request: Request) -> Response:
     async def frames() -> AsyncIterator[bytes]:
         yield chunk([ChunkChoice(i, Delta(role="assistant", content="")) for i in range(req.n)])
         completion_tokens = 0
+        cached = len(ids)  # the least any choice read: the prompt is counted once
         async for i, o in sub.outputs():
             if (err := _ended_badly(o.finish_reason)) is not None:
                 yield _error_frame(err)
@@ -215,9 +224,10 @@ async def chat_completions(request: Request) -> Response:
                 yield chunk([ChunkChoice(i, Delta(content=o.text), None, lp)])
             if o.finish_reason is not None:
                 completion_tokens += o.num_output_tokens
+                cached = min(cached, o.num_cached_tokens)
                 yield chunk([ChunkChoice(i, Delta(), o.finish_reason)])
         if include_usage:
-            yield chunk([], _usage(len(ids), completion_tokens))
+            yield chunk([], _usage(len(ids), completion_tokens, cached))
         yield DONE
 
     def body(choices: list[Choice]) -> ChatCompletion:
@@ -231,7 +241,8 @@ async def chat_completions(request: Request) -> Response:
             for i, c in enumerate(choices)
         ]
         gen = sum(c.num_output_tokens for c in choices)
-        return ChatCompletion(rid, created, req.model, out, _usage(len(ids), gen), fp)
+        cached = min(c.num_cached_tokens for c in choices)
+        return ChatCompletion(rid, created, req.model, out, _usage(len(ids), gen, cached), fp)
 
     return await _respond(request, sub, req.stream, frames, body)
 
@@ -264,7 +275,10 @@ async def completions(request: Request) -> Response:
                 params = sampling_params(
                     req, logprobs=want_lp, top_logprobs=req.logprobs or 0, seed_offset=i
                 )
-                sub.add(ids, params, max_tokens, stops, ignore_eos=req.ignore_eos)
+                sub.add(
+                    ids, params, max_tokens, stops, ignore_eos=req.ignore_eos,
+                    cache_prompt=req.cache_prompt,
+                )  # fmt: skip
         sub.submit()
     fp = state.fingerprints[lane]
     created = int(time.time())
@@ -273,7 +287,7 @@ async def completions(request: Request) -> Response:
 
     async def frames() -> AsyncIterator[bytes]:
         offsets = [0] * len(sub.queues)
-        completion_tokens = 0
+        completion_tokens = cached = 0
         async for i, o in sub.outputs():
             if (err := _ended_badly(o.finish_reason)) is not None:
                 yield _error_frame(err)
@@ -283,13 +297,19 @@ async def completions(request: Request) -> Response:
             offsets[i] += len(o.text)
             if o.finish_reason is not None:
                 completion_tokens += o.num_output_tokens
+                cached += o.num_cached_tokens
             if o.text or o.finish_reason is not None or lp is not None:
                 choice = CompletionChoice(i, o.text, o.finish_reason, lp)
                 yield _frame(Completion(rid, created, req.model, [choice], fp))
         if include_usage:
             yield _frame(
                 Completion(
-                    rid, created, req.model, [], fp, usage=_usage(n_prompt, completion_tokens)
+                    rid,
+                    created,
+                    req.model,
+                    [],
+                    fp,
+                    usage=_usage(n_prompt, completion_tokens, cached),
                 )
             )
         yield DONE
@@ -305,7 +325,8 @@ async def completions(request: Request) -> Response:
             for i, c in enumerate(choices)
         ]
         gen = sum(c.num_output_tokens for c in choices)
-        return Completion(rid, created, req.model, out, fp, usage=_usage(n_prompt, gen))
+        cached = sum(c.num_cached_tokens for c in choices)
+        return Completion(rid, created, req.model, out, fp, usage=_usage(n_prompt, gen, cached))
 
     return await _respond(request, sub, req.stream, frames, body)
 

@@ -56,6 +56,8 @@ class SamplingFields(Struct, kw_only=True):
     seed: int | None = None
     user: str | None = None
     ignore_eos: bool = False  # llama.cpp/vLLM extension: generate max_tokens (benchmarks)
+    # llama-server's name: false = compute the whole prompt, and keep none of it cached
+    cache_prompt: bool = True
     # "required": serve in the reproducible lane; "off"/absent: the server's default lane.
     # Checked by api.lanes (a wrong value is a 400 that lists the allowed ones).
     strata_reproducible: str | None = None
@@ -99,10 +101,15 @@ class CompletionRequest(SamplingFields, kw_only=True):
 
 
 # ---- responses ----------------------------------------------------------------------
+class PromptTokensDetails(Struct):
+    cached_tokens: int  # prompt tokens read from the prefix cache, not computed
+
+
 class Usage(Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class TopLogprob(Struct):

@@ -27,6 +27,9 @@ class EngineConfig:
     model_path: str
     n_ctx: int = 16384
     n_seq_max: int = 32
+    # Sequence ids kept beyond n_seq_max for the prefix cache: each holds a finished
+    # conversation's (or a running prompt's) KV for later requests to read (0 = no cache).
+    n_cached_seqs: int = 0
     n_batch: int = 2048
     n_ubatch: int = 512
     n_threads: int = 0  # 0 = all cores this process may use

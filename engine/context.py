@@ -43,6 +43,7 @@ class Context:
         flash_attn: str,
         unified: bool,
         device_greedy: bool,
+        swa_full: bool = False,
         tap: ExpertTap | None = None,
     ) -> None:
         self.ll = ll
@@ -66,6 +67,9 @@ class Context:
         cparams.n_threads, cparams.n_threads_batch = threads
         cparams.flash_attn_type = _FLASH[flash_attn]
         cparams.kv_unified = unified
+        # Sliding-window layers keep whole prefixes for the prefix cache: cells shared by
+        # two sequences are never overwritten, so the window cache may need every cell.
+        cparams.swa_full = swa_full
         cparams.no_perf = True
         if tap is not None:
             tap.attach(cparams)

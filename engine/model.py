@@ -13,7 +13,7 @@ from typing import Any
 
 from engine._capi import llama
 from engine.config import EngineConfig
-from engine.context import Context
+from engine.context import LLAMA_MAX_SEQ, Context
 from engine.errors import ModelLoadError
 from engine.expert_tap import ExpertTap
 from engine.placement import CpuOverrides
@@ -50,13 +50,21 @@ class Model:
         self.n_layer: int = ll.llama_model_n_layer(self.model)
         self.n_expert = int(self.meta_str(f"{self.arch}.expert_count") or 0)
         self.n_expert_used = int(self.meta_str(f"{self.arch}.expert_used_count") or 0)
+        self.n_swa: int = ll.llama_model_n_swa(self.model)  # sliding attention window, or 0
+        # llama.cpp bounds sequence ids (the running and the cache's holders) by 256
+        self.n_cached_seqs = max(0, min(cfg.n_cached_seqs, LLAMA_MAX_SEQ - cfg.n_seq_max))
+        if self.n_cached_seqs < cfg.n_cached_seqs:
+            log.warning("prefix cache: %d holder ids (at most %d sequence ids in all)",
+                        self.n_cached_seqs, LLAMA_MAX_SEQ)  # fmt: skip
 
         self.contexts: list[Context] = []
         try:
             self.tap = self._expert_tap()
             self.main = self.open_context(
-                n_ctx=cfg.n_ctx, n_seq_max=cfg.n_seq_max, unified=True,  # admission by tokens
+                n_ctx=cfg.n_ctx, n_seq_max=cfg.n_seq_max + self.n_cached_seqs,
+                unified=True,  # admission by tokens
                 device_greedy=self._device_greedy(), tap=self.tap,
+                swa_full=self.n_cached_seqs > 0 and self.n_swa > 0,
             )  # fmt: skip
         except ModelLoadError:
             ll.llama_model_free(self.model)
@@ -176,7 +184,7 @@ class Model:
 
     def open_context(
         self, *, n_ctx: int, n_seq_max: int, unified: bool, device_greedy: bool,
-        n_ubatch: int | None = None, tap: ExpertTap | None = None,
+        n_ubatch: int | None = None, tap: ExpertTap | None = None, swa_full: bool = False,
     ) -> Context:  # fmt: skip
         """A further context on these weights (freed with the model)."""
         cfg = self.cfg
@@ -184,6 +192,7 @@ class Model:
             self.ll, self.model, n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=cfg.n_batch,
             n_ubatch=n_ubatch or cfg.n_ubatch, threads=cfg.threads(),
             flash_attn=cfg.flash_attn, unified=unified, device_greedy=device_greedy, tap=tap,
+            swa_full=swa_full,
         )  # fmt: skip
         self.contexts.append(ctx)
         return ctx

@@ -18,10 +18,15 @@ Cells are counted once, under the tree (`cells`); a node read by a running reque
 Sliding-window attention (`window` > 0, e.g. Gemma 3): llama.cpp lets a new token's cell
 overwrite a cell that has one owner and lies a window or more behind that owner's last
 position, so a holder keeps only its last `window` positions intact on those layers. A
-reader that continues from position L needs the window before L: the only point that is
-certainly intact is the end of a leaf whose holder computed or read its last window itself
-(`readable`). With a window the index lends only such ends, and never gives a finishing
-sequence cells of another holder for its own last window (it then caches nothing).
+reader that continues from position L needs the window before L: a point is certainly
+intact at the end of a leaf whose holder computed or read its last window itself
+(`readable`), and where a *pin* — a sequence id tagging only the window before a node's
+end — keeps those cells with two owners. A running prompt offered to the cache (`publish`)
+ends such a leaf; when the leaf gets a child (the request's output, or the next turn), its
+holder stays as the pin of that point, so the next turn of a conversation reads at least
+the previous turn's prompt even where the answer does not tokenize back the same. With a
+window the index lends only these points, and never gives a finishing sequence another
+holder's cells for its own last window (it then caches nothing).
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ class _Node:
     holder: int | None = None  # leaves only: the seq id holding root → its end
     refs: int = 0  # running requests reading through it
     last_used: int = 0
-    readable: bool = True  # a read may end here (see the module docstring on windows)
+    readable: bool = True  # leaves: a read may end here (see the module docstring)
+    pin: int | None = None  # with a window: the id keeping the window before its end
 
     @property
     def end(self) -> int:
@@ -76,9 +82,16 @@ class PrefixIndex:
         node, off = self._walk(tokens[:limit])
         if node is self._root or off == 0:
             return 0
-        if self.window and (node.children or off < len(node.tokens) or not node.readable):
-            return 0
-        return node.start + off
+        if not self.window:
+            return node.start + off
+        if off < len(node.tokens):  # ends inside an edge: its last intact point is above
+            node = node.parent  # type: ignore[assignment]
+        n: _Node | None = node
+        while n is not None and n is not self._root:
+            if n.pin is not None or (not n.children and n.readable):
+                return n.end
+            n = n.parent
+        return 0
 
     def acquire(self, tokens: Sequence[int], seq: int, limit: int) -> tuple[Lease, list[KVOp]]:
         """Let `seq` (a fresh sequence) read the longest readable prefix of `tokens`, at
@@ -135,7 +148,11 @@ class PrefixIndex:
             ops += [Trim(seq, shared, k), Share(self._holder_below(node), seq, shared, k)]
         if node is not self._root and not node.children:  # a leaf gets a child
             assert node.holder is not None
-            ops.append(Release(node.holder))
+            if self.window and node.readable and node.pin is None:  # its holder pins its end
+                ops.append(Trim(node.holder, 0, max(0, node.end - self.window)))
+                node.pin = node.holder
+            else:
+                ops.append(Release(node.holder))
             node.holder = None
         leaf = _Node(list(tokens[k:]), k, node, holder=seq)
         node.children[tokens[k]] = leaf
@@ -155,7 +172,7 @@ class PrefixIndex:
         if n == lease.length or self.match(tokens) != lease.length:
             return None
         given_up, ops = self.insert(tokens, holder, lease.length)
-        assert given_up == 0 and not any(isinstance(op, Trim) for op in ops)
+        assert given_up == 0
         self.release(lease)
         return self._lock(tokens, n), [Share(seq, holder, 0, n), *ops]
 
@@ -168,7 +185,7 @@ class PrefixIndex:
             if leaf is None:
                 break
             freed += len(leaf.tokens)
-            ops.append(self._drop_leaf(leaf))
+            ops += self._drop_leaf(leaf)
         self.cells -= freed
         return freed, ops
 
@@ -219,15 +236,16 @@ class PrefixIndex:
             n.last_used = self._tick
             n = n.parent
 
-    def _drop_leaf(self, leaf: _Node) -> KVOp:
+    def _drop_leaf(self, leaf: _Node) -> list[KVOp]:
         parent, holder = leaf.parent, leaf.holder
         assert parent is not None and holder is not None
         del parent.children[leaf.tokens[0]]
+        ops: list[KVOp] = [] if leaf.pin is None else [Release(leaf.pin)]
         if parent is self._root or parent.children:
-            return Release(holder)  # the rest of its path is held by others (or is empty)
+            return [*ops, Release(holder)]  # the rest of its path is held by others
         parent.holder = holder  # the parent is a leaf now, held by what held its child
-        parent.readable = not self.window  # whose window ended beyond it
-        return Trim(holder, leaf.start, -1)
+        parent.readable = not self.window  # whose window ended beyond it (a pin may keep it)
+        return [*ops, Trim(holder, leaf.start, -1)]
 
     def _free_leaves(self) -> list[_Node]:
         return [n for n in self._nodes() if not n.children and n.refs == 0]
@@ -251,3 +269,4 @@ class PrefixIndex:
                 n.parent.end if n.parent is not self._root else 0
             ), "positions do not continue"
             assert n.refs >= 0 and all(c.refs <= n.refs for c in n.children.values())
+            assert n.pin is None or self.window, "pins only with a window"

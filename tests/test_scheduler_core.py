@@ -1087,9 +1087,10 @@ def test_the_choices_of_one_request_compute_its_prompt_once(window: int) -> None
 def test_with_a_sliding_window_only_intact_prefixes_are_read() -> None:
     """llama.cpp may overwrite a window layer's cell that one sequence owns once it lies a
     window behind that sequence's end (the fake marks all such cells and fails any read of
-    one). A cached conversation is read whole — its holder's last window is intact — but
-    never cut short, and a sequence whose own last window the cache would replace with
-    another holder's cells is not cached."""
+    one). A cached conversation is read whole — its holder's last window is intact — or
+    up to the prompt it offered while it ran (pinned), never cut anywhere else; a sequence
+    whose own last window the cache would replace with another holder's cells is not
+    cached."""
     d = Driver(cfg(prefix_cache=True, max_cached_seqs=8, sliding_window=8), FakeEngine(window=8))
     a = d.add(make_request("a", prompt(40, 1), 5))
     d.run()
@@ -1099,11 +1100,14 @@ def test_with_a_sliding_window_only_intact_prefixes_are_read() -> None:
     c = d.add(make_request("c", [*a.prompt_ids, *a.output_ids, 3, 3], 5))  # a's next turn
     d.run()
     assert c.num_cached == 44  # all a computed: its prompt and output but the last token
-    cached = d.sched.pool.cached
-    e = d.add(make_request("e", [*prompt(40, 1), 9, 9], 2))  # ends 3 tokens into a's window
+    e = d.add(make_request("e", [*prompt(40, 1), 9, 9], 5))  # a's prompt, another question
     d.run()
-    assert e.num_cached == 0 and d.sched.pool.cached == cached  # e is not kept
-    for r in (a, b, c, e):
+    assert e.num_cached == 40  # a offered its prompt as it ran: that end stays pinned
+    cached = d.sched.pool.cached
+    f = d.add(make_request("f", [*prompt(40, 1)[:38], 9, 9], 2))  # its window: a's cells
+    d.run()
+    assert f.num_cached == 0 and d.sched.pool.cached == cached  # f is not kept
+    for r in (a, b, c, e, f):
         d.assert_matches_reference(r.req_id)
 
 
