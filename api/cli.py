@@ -16,6 +16,7 @@ log = logging.getLogger("one-gpu")
 # Measured cost on the H200 (docs/benchmarks.md, "Expert telemetry"): 0.4-1.1% of decode
 # throughput at one step in 200; off (0) attaches nothing.
 DEFAULT_EXPERT_SAMPLE_RATE = 0.005
+DEFAULT_CACHE_SEQS = 64  # prefix-cache holder ids: conversations kept, running prompts offered
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -83,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
         "than recomputing it; 0 = always recompute)",
     )  # fmt: skip
     s.add_argument(
-        "--cache-seqs", type=int, default=64,
+        "--cache-seqs", type=int, default=DEFAULT_CACHE_SEQS,
         help="conversations (and running prompts) whose KV the prefix cache keeps for later "
         "requests to read, as sequence ids beyond --n-seq-max",
     )  # fmt: skip
@@ -120,6 +121,8 @@ def _parser() -> argparse.ArgumentParser:
     _plan_options(pl)
     pl.add_argument("--ctx", type=int, default=16384, help="context per sequence (tokens)")
     pl.add_argument("--parallel", type=int, default=1, help="sequences holding that context")
+    pl.add_argument("--cache-seqs", type=int, default=DEFAULT_CACHE_SEQS,
+                    help="serve's --cache-seqs (each id costs a row of logits)")  # fmt: skip
     pl.add_argument("--n-ubatch", type=int, default=512)
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -184,7 +187,8 @@ def _plan(args: argparse.Namespace) -> int:
         )
         return 2
     opts = PlanOptions(
-        kv_tokens=args.ctx * args.parallel, n_ubatch=args.n_ubatch, n_outputs=2 * args.parallel,
+        kv_tokens=args.ctx * args.parallel, n_ubatch=args.n_ubatch,
+        n_outputs=2 * (args.parallel + max(0, args.cache_seqs)),
         **_margin(args),
     )  # fmt: skip
     req = PlanRequest(vram_budget=args.vram_budget, ram_budget=args.ram_budget, options=opts)
@@ -269,7 +273,7 @@ def _serve(args: argparse.Namespace) -> None:
         kv_tokens=engine.n_ctx + lanes.slots * lanes.ctx,
         n_ubatch=max(engine.n_ubatch, lanes.chunk) if lanes.slots else engine.n_ubatch,
         contexts=2 if lanes.slots else 1,
-        # llama.cpp keeps a row of logits per sequence id (device greedy: two ids a sequence)
+        # a row of logits per sequence id, the cache's holders too (device greedy: two ids)
         n_outputs=2 * max(engine.n_seq_max + engine.n_cached_seqs, lanes.slots),
         **_margin(args),
     )

@@ -50,7 +50,7 @@ log = logging.getLogger("bench.soak")
 DEFAULT_SERVER_ARGS = "--n-ctx 4096 --n-seq-max 8 --repro-slots 2"
 LANES_IDLE = ("onegpu_requests_running", "onegpu_requests_waiting")
 LANES_EMPTY = (
-    "onegpu_kv_cache_used_cells",
+    "onegpu_kv_cache_used_cells",  # less the prefix cache's (held_at_end)
     "onegpu_kv_cache_reserved_cells",
     "onegpu_swap_space_used_cells",
 )
@@ -321,6 +321,17 @@ def lane_gauges(samples: Samples, names: tuple[str, ...]) -> dict[str, dict[str,
     return out
 
 
+def held_at_end(samples: Samples) -> dict[str, dict[str, float]]:
+    """The idle and empty gauges by lane; KV cells in use count only those not kept as
+    prefix cache (a finished request's KV stays there for later prompts, by design)."""
+    lanes = lane_gauges(samples, LANES_IDLE + LANES_EMPTY)
+    cached = by_label(samples, "onegpu_kv_cache_cached_cells", "lane")
+    for lane, gauges in lanes.items():
+        if "onegpu_kv_cache_used_cells" in gauges:
+            gauges["onegpu_kv_cache_used_cells"] -= cached.get(lane, 0.0)
+    return lanes
+
+
 def is_idle(samples: Samples) -> bool:
     lanes = lane_gauges(samples, LANES_IDLE)
     return bool(lanes) and all(v == 0 for gauges in lanes.values() for v in gauges.values())
@@ -576,7 +587,7 @@ def soak(args: argparse.Namespace, server_args: list[str], log_path: Path) -> So
         peak_waiting=max(s.waiting for s in samples),
         samples=samples,
         drained=drained,
-        lanes_at_end=lane_gauges(metrics, LANES_IDLE + LANES_EMPTY),
+        lanes_at_end=held_at_end(metrics),
         finished_by_reason=by_label(metrics, "onegpu_requests_finished_total", "finish_reason"),
         preemptions=total(metrics, "onegpu_preemptions_total"),
         preemptions_by_kind=by_label(metrics, "onegpu_preemptions_total", "kind"),

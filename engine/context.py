@@ -61,7 +61,8 @@ class Context:
         # the compute buffer's logits for n_outputs_max rows (default: n_batch). At 512-row
         # ubatches and a 152K vocabulary that is 297 MiB of VRAM for 32 users' 19. llama.cpp
         # asserts (aborts) that a batch's outputs, and its own n_seq_max, stay within it:
-        # the runner refuses a batch with more outputs than `n_outputs_max` first.
+        # the runner refuses a batch with more outputs than `n_outputs_max` first. (So the
+        # prefix cache's holder ids, which never output, cost a row each too.)
         cparams.n_outputs_max = cparams.n_seq_max
         self.n_outputs_max = cparams.n_seq_max
         cparams.n_threads, cparams.n_threads_batch = threads

@@ -35,9 +35,11 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _serve(model: Path, *extra: str, pool: int = POOL) -> Server:
+    # No prefix cache: the phases send the same prompts again, which the cache would serve
+    # from KV; these tests measure what pressure costs when every prompt is computed.
     return start_server(
         ["--model", str(model), "--served-model-name", "tiny", "--n-ctx", str(pool),
-         "--n-seq-max", "16", "--repro-slots", "0", *extra],
+         "--n-seq-max", "16", "--repro-slots", "0", "--no-prefix-cache", *extra],
         model.parent / f"server{'-'.join(extra)}.log",
     )  # fmt: skip
 

@@ -27,12 +27,13 @@ from tests.tiny_gguf import Shape, write_qwen3moe
 pytestmark = pytest.mark.e2e
 
 SHAPE = Shape(n_layer=4)
-N_CTX, N_UBATCH, N_SEQ = 1024, 128, 4
-# `plan` for the server below: its N_CTX cells shared by N_SEQ sequences
-PLAN_CTX = ["--ctx", str(N_CTX // N_SEQ), "--parallel", str(N_SEQ)]
+N_CTX, N_UBATCH, N_SEQ, N_CACHED = 1024, 128, 4, 8
+# `plan` for the server below: its N_CTX cells shared by N_SEQ sequences (and N_CACHED
+# prefix-cache holders, which cost a row of logits each)
+PLAN_CTX = ["--ctx", str(N_CTX // N_SEQ), "--parallel", str(N_SEQ), "--cache-seqs", str(N_CACHED)]
 EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 COMMON = ["--n-ctx", str(N_CTX), "--n-ubatch", str(N_UBATCH), "--n-seq-max", str(N_SEQ),
-          "--threads", "2", "--repro-slots", "0"]  # fmt: skip
+          "--cache-seqs", str(N_CACHED), "--threads", "2", "--repro-slots", "0"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def budget(model: Path) -> int:
     """Room for the non-expert part, the server's reserves and 60% of the expert bytes:
     two layers' experts whole on the GPU, one tensor of a third."""
-    opts = PlanOptions(kv_tokens=N_CTX, n_ubatch=N_UBATCH, n_outputs=2 * N_SEQ)
+    opts = PlanOptions(kv_tokens=N_CTX, n_ubatch=N_UBATCH, n_outputs=2 * (N_SEQ + N_CACHED))
     return vram_for_expert_share(read_meta(model), opts, 0.6)
 
 
