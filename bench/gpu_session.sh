@@ -10,7 +10,7 @@
 #   our server at HYBRID_THREADS threads), compare-1r (every N, one repeat),
 #   hybrid-levers (the planned layout with all 16 threads, telemetry off, --no-mmap) and
 #   tap-cost (router telemetry on/off, engine only), kv-pressure (issue 19: bench.kv_pressure
-#   and bench.swap_cost), native (engine alone, greedy and
+#   and bench.swap_cost), multiturn (issue 20: bench.multiturn, all-GPU and --cpu-moe), native (engine alone, greedy and
 #   typical, 1/8/32 sequences: the native decode-and-sample step). At the end every result file is
 #   concatenated into RESULTS/all.txt: the device returns only a few files.
 set -uo pipefail
@@ -87,6 +87,12 @@ for s in "${steps[@]}"; do
         --scenario mixed ten two-big --n-ctx 16384 --clients 12 --min-prompt 3000 \
         --max-prompt 14000 --osl 96 --repeats "${KV_REPEATS:-2}" --json "$R/kv-pressure.json"
       run swap-cost python3 -m bench.swap_cost --model "$MODEL" --tokens 4096 12288 --repeats 3 ;;
+    multiturn)  # issue 20: prefix cache vs llama-server's, all on the GPU then experts in RAM;
+      # the pool holds the burst's 32 prompts without sharing (what llama-server needs)
+      run multiturn python3 -m bench.multiturn --gpu --peer-bin "$PEER_BIN" --model "$MODEL" \
+        --n-ctx 139264 --repeats "${MT_REPEATS:-2}" --json "$R/multiturn.json"
+      run multiturn-cpumoe python3 -m bench.multiturn --gpu --cpu-moe --peer-bin "$PEER_BIN" \
+        --model "$MODEL" --n-ctx 139264 --json "$R/multiturn-cpumoe.json" ;;
     tap-cost)  # paired, step by step (bench/tap_cost.py), then as a throughput difference
       run tapcost python3 -m bench.tap_cost --model "$MODEL" --concurrency 1 8 32 --steps 400
       run tapcost-throughput python3 -m bench.engine_step --model "$MODEL" --concurrency 1 8 32 \

@@ -137,15 +137,19 @@ class PrefixIndex:
         if k == len(tokens):  # nothing new: every cell it holds beyond `shared` is a copy
             self._touch(node)
             return len(tokens) - shared, [Release(seq)]
-        if k > shared and self.window and k > len(tokens) - self.window + 1:
-            # the tree's cells there may be gone from the window layers, which a read at
-            # the new leaf's end needs: keep nothing rather than lend a broken prefix
-            return len(tokens) - shared, [Release(seq)]
+        src = None
+        if k > shared:  # it computed cached positions itself: it reads the tree's instead
+            # With a window, a read at the new leaf's end needs the cells after
+            # len - window: those taken from the tree must be in their holder's window.
+            need = max(shared, len(tokens) - self.window + 1) if self.window else k
+            src = self._holder_covering(node, need) if need < k else self._holder_below(node)
+            if src is None:  # keep nothing rather than lend a broken prefix
+                return len(tokens) - shared, [Release(seq)]
         ops: list[KVOp] = []
         if node is not self._root and off < len(node.tokens):
             node = self._split(node, off)
-        if k > shared:  # it computed cached positions itself: read the tree's instead
-            ops += [Trim(seq, shared, k), Share(self._holder_below(node), seq, shared, k)]
+        if src is not None:
+            ops += [Trim(seq, shared, k), Share(src, seq, shared, k)]
         if node is not self._root and not node.children:  # a leaf gets a child
             assert node.holder is not None
             if self.window and node.readable and node.pin is None:  # its holder pins its end
@@ -229,6 +233,18 @@ class PrefixIndex:
         while node.holder is None:
             node = next(iter(node.children.values()))
         return node.holder
+
+    def _holder_covering(self, node: _Node, pos: int) -> int | None:
+        """A holder below `node` whose window layers certainly still hold every position
+        from `pos` on: its own end is less than a window past `pos` (a leaf a trim made is
+        not, its holder's end was further)."""
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if not n.children and n.readable and n.end - self.window < pos:
+                return n.holder
+            stack.extend(n.children.values())
+        return None
 
     def _touch(self, node: _Node) -> None:
         n: _Node | None = node

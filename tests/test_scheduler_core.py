@@ -1111,7 +1111,7 @@ def test_with_a_sliding_window_only_intact_prefixes_are_read() -> None:
         d.assert_matches_reference(r.req_id)
 
 
-@pytest.mark.parametrize("window", [0, 6])
+@pytest.mark.parametrize("window", [0, 6, 24])
 @pytest.mark.parametrize("seed", range(20))
 def test_random_cached_workload_matches_reference(seed: int, window: int) -> None:
     """Seeded workloads of conversations that come back for their next turn, bursts behind
@@ -1152,3 +1152,22 @@ def test_random_cached_workload_matches_reference(seed: int, window: int) -> Non
         d.assert_matches_reference(req_id)
     assert d.sched.prefix is not None and d.sched.prefix.evictable == d.sched.prefix.cells
     assert d.sched.pool.num_held - len(d.sched._unhold_ready) <= 5
+
+
+def test_with_a_sliding_window_conversations_behind_one_system_prompt_are_all_kept() -> None:
+    """Two users open with the same system prompt at once: the second computes it too (it
+    cannot read the first's prompt mid-way under a window) and, when it finishes, gives its
+    copy up for the first user's cells, which are still in their holder's window. So both
+    conversations are cached, and each next turn reads its own."""
+    d = Driver(cfg(prefix_cache=True, max_cached_seqs=8, sliding_window=64), FakeEngine(window=64))
+    system = prompt(20, 2)
+    u = [d.add(make_request(f"u{i}", [*system, 30 + i, 31, 32, 33, 34], 5)) for i in range(2)]
+    d.run()
+    assert d.sched.pool.cached == 20 + 2 * (5 + 4)  # the system prompt once
+    nxt = [
+        d.add(make_request(f"n{i}", [*r.prompt_ids, *r.output_ids, 7], 3)) for i, r in enumerate(u)
+    ]
+    d.run()
+    assert [r.num_cached for r in nxt] == [29, 29]
+    for r in (*u, *nxt):
+        d.assert_matches_reference(r.req_id)
