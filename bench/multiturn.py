@@ -101,7 +101,8 @@ WORDS = tuple(_WORD_TEXT.split())
 
 
 # The random-weight models of `synth_gguf.py` have a vocabulary of words `▁w0`, `▁w1`, …
-# (and bytes): real words would cost a token a letter there, so their text is made of those.
+# that their SPM tokenizer never reaches from text (no `▁w` piece to merge through), and
+# byte tokens: there, text is lowercase letters, one byte token each, so sizes hold.
 SYNTH_WORDS: tuple[str, ...] = ()
 
 
@@ -120,7 +121,7 @@ def text(rng: random.Random, n_tokens: int) -> str:
     """About `n_tokens` of sentence-like text from a fixed word list: real words tokenize the
     same way wherever they fall, so both servers count about the same, stable lengths."""
     if SYNTH_WORDS:
-        return " ".join(rng.choice(SYNTH_WORDS) for _ in range(max(1, n_tokens)))
+        return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(max(1, n_tokens)))
     n_words = max(1, round(n_tokens / TOKENS_PER_WORD))
     out: list[str] = []
     sentence = 0
