@@ -5,6 +5,7 @@
 #   make bench   this server vs llama-server and llama-batched-bench (bench/compare.py)
 #   make fuzz    schemathesis against a live server, from its OpenAPI document (bench/fuzz_api.py)
 #   make bench-kv  KV pressure: ours vs llama-server on the same pool (bench/kv_pressure.py)
+#   make bench-multiturn  prefix cache: multi-turn chat and shared-prefix bursts vs llama-server
 #   make soak    30 minutes of mixed traffic, then memory, leak and error checks (bench/soak.py)
 # GPU=cuda forces a CUDA build of llama.cpp; otherwise CUDA is used when `nvidia-smi -L` finds a GPU.
 
@@ -34,7 +35,7 @@ TAP := engine/native/libexpert_tap.so
 STEP := engine/native/libdecode_sample.so
 NATIVE := $(TAP) $(STEP)
 
-.PHONY: install serve test check bench bench-stall bench-repro bench-kv fuzz soak model clean
+.PHONY: install serve test check bench bench-stall bench-repro bench-kv bench-multiturn fuzz soak model clean
 
 install: $(STAMP) $(NATIVE)
 
@@ -81,6 +82,9 @@ fuzz: $(STAMP) $(NATIVE) model
 
 bench-kv: $(STAMP) $(NATIVE) model
 	$(PY) -m bench.kv_pressure $(BENCH_ARGS)
+
+bench-multiturn: $(STAMP) $(NATIVE) model
+	$(PY) -m bench.multiturn $(BENCH_ARGS)
 
 soak: $(STAMP) $(NATIVE) model
 	$(PY) -m bench.soak $(BENCH_ARGS)

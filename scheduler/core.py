@@ -490,8 +490,8 @@ class Scheduler:
 
     def _short_of_kv(self, committed: int) -> bool:
         """KV pressure: the waiting requests need more cells than are left beside what the
-        running will still take."""
-        room = self.pool.free - committed
+        running will still take (the unread prefix cache counts as room: it gives way)."""
+        room = self._free() - committed
         for req in self.waiting:
             room -= req.num_tokens + self.growth.cells(req.max_tokens - len(req.output_ids))
             if room < 0:

@@ -1171,3 +1171,30 @@ def test_with_a_sliding_window_conversations_behind_one_system_prompt_are_all_ke
     assert [r.num_cached for r in nxt] == [29, 29]
     for r in (*u, *nxt):
         d.assert_matches_reference(r.req_id)
+
+
+def test_the_prefix_cache_does_not_count_as_kv_pressure() -> None:
+    """Where batching does not pay, requests the pool cannot hold together run one after
+    another; but cells the cache holds and nobody reads give way, so they do not make two
+    requests that fit beside each other wait for one another."""
+    fake = FakeEngine(seconds_per_step=0.0, seconds_per_token=1e-3)  # compute-bound
+    d = Driver(
+        cfg(max_num_seqs=8, kv_capacity=200, max_num_batched_tokens=16, prefix_cache=True,
+            max_cached_seqs=4),
+        fake,
+    )  # fmt: skip
+    d.add(make_request("w0", prompt(3), 4))
+    d.add(make_request("w1", prompt(3, 1), 12))
+    d.run()  # the cost model learns that a step of two costs two steps of one
+    d.add(make_request("c", prompt(120, 9), 4))
+    d.run()
+    assert d.sched.pool.cached >= 120
+    for i in range(2):
+        d.add(make_request(f"r{i}", [40 + i, *prompt(39, i)], 12))
+    most = 0
+    while d.sched.has_work:
+        d.step()
+        most = max(most, len(d.sched.running))
+    assert most == 2
+    for req_id in ("c", "r0", "r1"):
+        d.assert_matches_reference(req_id)
