@@ -89,10 +89,14 @@ for s in "${steps[@]}"; do
       run swap-cost python3 -m bench.swap_cost --model "$MODEL" --tokens 4096 12288 --repeats 3 ;;
     multiturn)  # issue 20: prefix cache vs llama-server's, all on the GPU then experts in RAM;
       # the pool holds the burst's 32 prompts without sharing (what llama-server needs)
+      # (llama-server with -np 32 gives each slot 139264/32 tokens; --cache-ram 0: its host-RAM
+      # prompt cache made a 32 x 4K burst take minutes; a scenario past 150 s is given up)
       run multiturn python3 -m bench.multiturn --gpu --peer-bin "$PEER_BIN" --model "$MODEL" \
-        --n-ctx 139264 --repeats "${MT_REPEATS:-2}" --json "$R/multiturn.json"
+        --n-ctx 139264 --repeats "${MT_REPEATS:-1}" --peer-args "--cache-ram 0" \
+        --scenario-timeout 150 --json "$R/multiturn.json"
       run multiturn-cpumoe python3 -m bench.multiturn --gpu --cpu-moe --peer-bin "$PEER_BIN" \
-        --model "$MODEL" --n-ctx 139264 --json "$R/multiturn-cpumoe.json" ;;
+        --model "$MODEL" --n-ctx 139264 --peer-args "--cache-ram 0" --scenario-timeout 240 \
+        --json "$R/multiturn-cpumoe.json" ;;
     tap-cost)  # paired, step by step (bench/tap_cost.py), then as a throughput difference
       run tapcost python3 -m bench.tap_cost --model "$MODEL" --concurrency 1 8 32 --steps 400
       run tapcost-throughput python3 -m bench.engine_step --model "$MODEL" --concurrency 1 8 32 \

@@ -360,10 +360,17 @@ async def trial(
         for name, work in works.items():
             log.info("%s: %s", "ours" if ours else "llama-server", name)
             before = await scrape(h, srv.url) if ours else {}
-            if isinstance(work, ChatWork):
-                runs[name] = await run_chat(c, work, args.osl)
-            else:
-                runs[name] = await run_burst(c, work, args.osl)
+            scenario = (
+                run_chat(c, work, args.osl) if isinstance(work, ChatWork)
+                else run_burst(c, work, args.osl)
+            )  # fmt: skip
+            try:
+                runs[name] = await asyncio.wait_for(scenario, args.scenario_timeout or None)
+            except TimeoutError:  # a server that cannot keep up must not eat the session
+                why = f"the scenario did not finish in {args.scenario_timeout:g} s"
+                log.warning("%s: %s", name, why)
+                runs[name] = Run(args.scenario_timeout, [Rec(-1, 1, 0.0, error=why)])
+                return Trial(runs, None, [])
             if ours:
                 runs[name].metrics = counter_deltas(before, await scrape(h, srv.url))
         if probe_tokens is None:
@@ -657,6 +664,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--probe-tries", type=int, default=3)
     p.add_argument("--repeats", type=int, default=1, help="fresh servers each; medians reported")
+    p.add_argument("--scenario-timeout", type=float, default=0,
+                   help="give up on a server whose scenario runs longer (0 = never)")  # fmt: skip
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--model", help="GGUF (default: the embedded Gemma 3 270M)")
     p.add_argument("--threads", type=int, default=0, help="both servers (0: their defaults)")

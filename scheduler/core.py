@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from engine.step_types import KVOp, Release, Sampled, SeqChunk, SeqStart, StepBatch, StepResult
 from scheduler.budget import StepCostModel, StepTimeBudget
 from scheduler.kv import GrowthEstimate, KVPool, SwapCost, SwapSpace
-from scheduler.prefix import Lease, PrefixIndex
+from scheduler.prefix import Lease, PrefixIndex, common_prefix
 from scheduler.request import Request, RequestOutput, RequestStatus
 from scheduler.stats import FinishedStats, StepStats
 
@@ -373,7 +373,7 @@ class Scheduler:
             point = r.num_prompt - 1 if r.split_last else r.num_prompt
             if end > point:
                 continue
-            c = _common_prefix(req.prompt_ids, r.prompt_ids, limit)
+            c = common_prefix(req.prompt_ids, r.prompt_ids, limit)
             if not self.prefix.window:
                 if c - have >= self.SHARE_MIN:
                     return True
@@ -782,21 +782,3 @@ class Scheduler:
         stats.swap_used_cells = self.swap.used
         stats.swap_capacity_cells = self.swap.capacity
         return stats
-
-
-def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    """The length of the longest common prefix of `a` and `b`, at most `limit` (slices
-    compare in C: a binary search over them beats a Python loop over tokens)."""
-    hi = min(len(a), len(b), limit)
-    if hi <= 0 or a[0] != b[0]:
-        return 0
-    if a[:hi] == b[:hi]:
-        return hi
-    lo = 1  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo

@@ -200,20 +200,18 @@ class PrefixIndex:
 
     # ---- internals -------------------------------------------------------------------
     def _walk(self, tokens: Sequence[int]) -> tuple[_Node, int]:
-        """The deepest node `tokens` enters and how many of its tokens match."""
+        """The deepest node `tokens` enters and how many of its tokens match (edges are
+        compared as slices, in C: a prompt of 100K tokens is walked in microseconds)."""
         node, pos = self._root, 0
+        tokens = tokens if isinstance(tokens, list) else list(tokens)
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
             if child is None:
                 return node, len(node.tokens)
-            off = 0
-            while off < len(child.tokens) and pos < len(tokens):
-                if child.tokens[off] != tokens[pos]:
-                    return child, off
-                off += 1
-                pos += 1
+            off = common_prefix(child.tokens, tokens[pos : pos + len(child.tokens)])
             if off < len(child.tokens):
                 return child, off
+            pos += off
             node = child
         return node, len(node.tokens)
 
@@ -286,3 +284,21 @@ class PrefixIndex:
             ), "positions do not continue"
             assert n.refs >= 0 and all(c.refs <= n.refs for c in n.children.values())
             assert n.pin is None or self.window, "pins only with a window"
+
+
+def common_prefix(a: list[int], b: list[int], limit: int | None = None) -> int:
+    """The length of the longest common prefix of `a` and `b`, at most `limit` (slices
+    compare in C: a binary search over them beats a Python loop over tokens)."""
+    hi = min(len(a), len(b), len(a) if limit is None else limit)
+    if hi <= 0 or a[0] != b[0]:
+        return 0
+    if a[:hi] == b[:hi]:
+        return hi
+    lo = 1  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
