@@ -11,7 +11,16 @@ from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.step_types import KVOp, Release, Sampled, SeqChunk, SeqStart, StepBatch, StepResult
+from engine.step_types import (
+    KVOp,
+    Release,
+    Sampled,
+    SeqChunk,
+    SeqStart,
+    Share,
+    StepBatch,
+    StepResult,
+)
 from scheduler.budget import StepCostModel, StepTimeBudget
 from scheduler.kv import GrowthEstimate, KVPool, SwapCost, SwapSpace
 from scheduler.prefix import Lease, PrefixIndex, common_prefix
@@ -405,7 +414,21 @@ class Scheduler:
         n = req.num_computed
         lease = req.lease or Lease(None, 0)
         tokens = req.prompt_ids[:n]
-        if n == lease.length or self.prefix.match(tokens) != lease.length:
+        if n == lease.length:
+            return
+        if self.prefix.match(tokens) != lease.length:
+            # The cache holds more of this prompt than it read (another request's copy):
+            # it cannot be offered now. With a window, a pin keeps its last window for
+            # when the request finishes and its path joins the cache (`_keep_as_cache`).
+            if (
+                self.prefix.window
+                and self._num_holders < self.cfg.max_cached_seqs
+                and (self.pool.num_free_seqs > self.cfg.max_num_seqs - len(self.running))
+            ):  # (a free id: a pin that may come to nothing evicts nothing)
+                pin = self.pool.open()
+                self.pool.hold(pin, 0)
+                req.pin = (pin, n)
+                self._kv_ops.append(Share(req.seq_id, pin, max(0, n - self.prefix.window), n))
             return
         if not self._holder_room():
             return
@@ -449,6 +472,11 @@ class Scheduler:
         self._kv_ops += ops
         self._unhold_after += [op.seq for op in ops if isinstance(op, Release)]
 
+    def _drop_pin(self, req: Request) -> None:
+        if req.pin is not None:
+            self._note_ops([Release(req.pin[0])])
+            req.pin = None
+
     def _drop_lease(self, req: Request) -> None:
         if req.lease is not None:
             assert self.prefix is not None
@@ -460,7 +488,15 @@ class Scheduler:
         holds; what the cache had already is given up (the ops say which)."""
         assert self.prefix is not None and req.seq_id is not None
         tokens = req.tokens_from(0, req.num_computed)
+        # its pin tagged its own cells before the end of its prompt: useful if they stay
+        # its own in the cache, i.e. the cache held less of its path than that
+        k = self.prefix.match(tokens)
         given_up, ops = self.prefix.insert(tokens, req.seq_id, req.shared)
+        if req.pin is not None:
+            pin, end = req.pin
+            kept = k <= end - self.prefix.window
+            ops += self.prefix.pin(req.prompt_ids[:end], pin) if kept else [Release(pin)]
+            req.pin = None
         new = req.num_computed - req.shared - given_up
         self._drop_lease(req)
         self.pool.hold(req.seq_id, new)
@@ -539,6 +575,7 @@ class Scheduler:
         output on resume."""
         assert req.seq_id is not None
         self._drop_lease(req)  # a swap saves the prefix it read too: it comes back its own
+        self._drop_pin(req)
         if self._swap_is_cheaper(req.num_computed):
             key = self.swap.take(req.num_computed)
             self._swap_out.append((req.seq_id, key))
@@ -643,6 +680,7 @@ class Scheduler:
             self._keep_as_cache(req)
         else:
             self._drop_lease(req)
+            self._drop_pin(req)
             self._release_seq(req)
         req.status = status
         del self._by_id[req.req_id]

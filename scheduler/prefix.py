@@ -180,6 +180,21 @@ class PrefixIndex:
         self.release(lease)
         return self._lock(tokens, n), [Share(seq, holder, 0, n), *ops]
 
+    def pin(self, tokens: Sequence[int], pin: int) -> list[KVOp]:
+        """With a window: `pin` tags the window before the end of `tokens` (a prompt whose
+        sequence could not offer it while it ran, and has just been inserted); if that
+        path is cached and its end has no pin yet, the pin keeps that end readable.
+        Otherwise the pin is released (the ops say so)."""
+        node, off = self._walk(tokens)
+        if node is self._root or node.start + off != len(tokens):
+            return [Release(pin)]
+        if off < len(node.tokens):
+            node = self._split(node, off)
+        if node.pin is not None or (not node.children and node.readable):
+            return [Release(pin)]  # readable already
+        node.pin = pin
+        return []
+
     def evict(self, cells: int) -> tuple[int, list[KVOp]]:
         """Free at least `cells` cells (if that many are evictable), least recently used
         leaves first; returns the cells freed and the ops."""

@@ -142,7 +142,7 @@ class FakeEngine:
         """The prefix index's ops, with llama.cpp's meaning (`seq_cp`, `seq_rm`)."""
         if isinstance(op, Share):
             src = [c for c in self.kv.get(op.src, []) if op.p0 <= c[0] < op.p1]
-            if op.p0 == 0 and op.dst not in self.kv:  # a new cache holder takes a copy
+            if op.dst not in self.kv:  # a new cache holder (or pin) takes a copy
                 self.kv[op.dst] = []
             if len(src) != op.p1 - op.p0 or op.dst not in self.kv:
                 raise ContractViolation(f"step {i}: {op} from cells it does not hold")

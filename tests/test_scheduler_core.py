@@ -1198,3 +1198,19 @@ def test_the_prefix_cache_does_not_count_as_kv_pressure() -> None:
     assert most == 2
     for req_id in ("c", "r0", "r1"):
         d.assert_matches_reference(req_id)
+
+
+def test_with_a_sliding_window_a_prompt_the_cache_could_not_take_is_pinned() -> None:
+    """Two users open with one system prompt at once: the second's prompt cannot be offered
+    while it runs (the cache already holds its start, from the first), so a pin keeps the
+    window before its end; once it finishes and joins the cache, its next turn reads up to
+    there even though the reply came back as other tokens."""
+    d = Driver(cfg(prefix_cache=True, max_cached_seqs=8, sliding_window=4), FakeEngine(window=4))
+    system = prompt(20, 2)
+    u = [d.add(make_request(f"u{i}", [*system, *([30 + i] * 8)], 4)) for i in range(2)]
+    d.run()
+    nxt = [d.add(make_request(f"n{i}", [*r.prompt_ids, 39, 38, 37], 3)) for i, r in enumerate(u)]
+    d.run()
+    assert [r.num_cached for r in nxt] == [28, 28]
+    for r in (*u, *nxt):
+        d.assert_matches_reference(r.req_id)
