@@ -20,6 +20,7 @@ from engine.step_types import (
     Share,
     StepBatch,
     StepResult,
+    Trim,
 )
 from scheduler.budget import StepCostModel, StepTimeBudget
 from scheduler.kv import GrowthEstimate, KVPool, SwapCost, SwapSpace
@@ -488,15 +489,22 @@ class Scheduler:
         holds; what the cache had already is given up (the ops say which)."""
         assert self.prefix is not None and req.seq_id is not None
         tokens = req.tokens_from(0, req.num_computed)
-        # its pin tagged its own cells before the end of its prompt: useful if they stay
-        # its own in the cache, i.e. the cache held less of its path than that
-        k = self.prefix.match(tokens)
-        given_up, ops = self.prefix.insert(tokens, req.seq_id, req.shared)
-        if req.pin is not None:
-            pin, end = req.pin
-            kept = k <= end - self.prefix.window
-            ops += self.prefix.pin(req.prompt_ids[:end], pin) if kept else [Release(pin)]
-            req.pin = None
+        # Its pin keeps the window before the end of its prompt; once its path is cached the
+        # pin is made to tag that path's cells there (the cache's own where it takes them),
+        # which must then be intact: else the pin goes.
+        pin, req.pin = req.pin, None
+        keep = None
+        if pin is not None and self.prefix.keeps(tokens, req.shared, pin[1] - self.prefix.window):
+            keep = pin[1] - self.prefix.window
+        given_up, ops = self.prefix.insert(tokens, req.seq_id, req.shared, keep)
+        if pin is not None:
+            kept = keep is not None and not any(
+                isinstance(op, Release) and op.seq == req.seq_id for op in ops
+            )
+            if kept and self.prefix.pin(req.prompt_ids[: pin[1]], pin[0]):
+                ops += [Trim(pin[0], 0, -1), Share(req.seq_id, pin[0], max(0, keep or 0), pin[1])]
+            else:
+                ops.append(Release(pin[0]))
         new = req.num_computed - req.shared - given_up
         self._drop_lease(req)
         self.pool.hold(req.seq_id, new)

@@ -126,11 +126,14 @@ class PrefixIndex:
             n = n.parent
 
     # ---- writing ---------------------------------------------------------------------
-    def insert(self, tokens: Sequence[int], seq: int, shared: int) -> tuple[int, list[KVOp]]:
+    def insert(
+        self, tokens: Sequence[int], seq: int, shared: int, keep: int | None = None
+    ) -> tuple[int, list[KVOp]]:
         """A finished sequence offers its KV: `seq` holds `tokens` at positions 0.., the
         first `shared` of them read from the index (`acquire`). Returns the cells it
         gives up (already cached elsewhere) and the ops; what is new becomes a leaf held
-        by `seq`, the rest of `seq` is released or trimmed."""
+        by `seq`, the rest of `seq` is released or trimmed. With a window, cells it takes
+        from the tree instead of its own are intact from `keep` on too (see `keeps`)."""
         node, off = self._walk(tokens)
         k = node.start + off if node is not self._root else 0
         self._tick += 1
@@ -142,7 +145,9 @@ class PrefixIndex:
             # With a window, a read at the new leaf's end needs the cells after
             # len - window: those taken from the tree must be in their holder's window.
             need = max(shared, len(tokens) - self.window + 1) if self.window else k
-            src = self._holder_covering(node, need) if need < k else self._holder_below(node)
+            if keep is not None:
+                need = min(need, max(shared, keep))
+            src = self._holder_covering(node, need, k) if need < k else self._holder_below(node)
             if src is None:  # keep nothing rather than lend a broken prefix
                 return len(tokens) - shared, [Release(seq)]
         ops: list[KVOp] = []
@@ -180,20 +185,30 @@ class PrefixIndex:
         self.release(lease)
         return self._lock(tokens, n), [Share(seq, holder, 0, n), *ops]
 
-    def pin(self, tokens: Sequence[int], pin: int) -> list[KVOp]:
-        """With a window: `pin` tags the window before the end of `tokens` (a prompt whose
-        sequence could not offer it while it ran, and has just been inserted); if that
-        path is cached and its end has no pin yet, the pin keeps that end readable.
-        Otherwise the pin is released (the ops say so)."""
+    def keeps(self, tokens: Sequence[int], shared: int, pos: int) -> bool:
+        """Would `insert(tokens, …, shared, keep=pos)` find the cells it takes from the tree
+        intact from `pos` on? (True when it takes none there.)"""
+        node, off = self._walk(tokens)
+        k = node.start + off if node is not self._root else 0
+        if k <= max(pos, shared) or k == len(tokens):
+            return True
+        need = max(shared, min(len(tokens) - self.window + 1, pos))
+        return self._holder_covering(node, need, k) is not None
+
+    def pin(self, tokens: Sequence[int], pin: int) -> bool:
+        """With a window: make `pin` the pin of the end of `tokens` (a prompt whose
+        sequence could not offer it while it ran, and has just been inserted; the caller
+        tags the window before that end with it). False when that path is not cached,
+        or its end is readable already: the caller releases the pin."""
         node, off = self._walk(tokens)
         if node is self._root or node.start + off != len(tokens):
-            return [Release(pin)]
+            return False
         if off < len(node.tokens):
             node = self._split(node, off)
         if node.pin is not None or (not node.children and node.readable):
-            return [Release(pin)]  # readable already
+            return False
         node.pin = pin
-        return []
+        return True
 
     def evict(self, cells: int) -> tuple[int, list[KVOp]]:
         """Free at least `cells` cells (if that many are evictable), least recently used
@@ -247,16 +262,28 @@ class PrefixIndex:
             node = next(iter(node.children.values()))
         return node.holder
 
-    def _holder_covering(self, node: _Node, pos: int) -> int | None:
+    def _holder_covering(self, node: _Node, pos: int, end: int) -> int | None:
         """A holder below `node` whose window layers certainly still hold every position
-        from `pos` on: its own end is less than a window past `pos` (a leaf a trim made is
-        not, its holder's end was further)."""
+        in [pos, end): each within its own last window (a leaf a trim made has none: its
+        holder's end was further) or within the window a pin on its path keeps."""
         stack = [node]
         while stack:
             n = stack.pop()
-            if not n.children and n.readable and n.end - self.window < pos:
-                return n.holder
             stack.extend(n.children.values())
+            if n.children:
+                continue
+            spans = [(n.end - self.window + 1, n.end)] if n.readable else []
+            up: _Node | None = n
+            while up is not None and up is not self._root:
+                if up.pin is not None:
+                    spans.append((up.end - self.window, up.end))
+                up = up.parent
+            at = pos
+            for a, b in sorted(spans):
+                if a <= at < b:
+                    at = b
+            if at >= end:
+                return n.holder
         return None
 
     def _touch(self, node: _Node) -> None:

@@ -1104,7 +1104,7 @@ def test_with_a_sliding_window_only_intact_prefixes_are_read() -> None:
     d.run()
     assert e.num_cached == 40  # a offered its prompt as it ran: that end stays pinned
     cached = d.sched.pool.cached
-    f = d.add(make_request("f", [*prompt(40, 1)[:38], 9, 9], 2))  # its window: a's cells
+    f = d.add(make_request("f", [*prompt(40, 1)[:30], 9, 9], 2))  # its window: a's cells
     d.run()
     assert f.num_cached == 0 and d.sched.pool.cached == cached  # f is not kept
     for r in (a, b, c, e, f):
@@ -1200,12 +1200,17 @@ def test_the_prefix_cache_does_not_count_as_kv_pressure() -> None:
         d.assert_matches_reference(req_id)
 
 
-def test_with_a_sliding_window_a_prompt_the_cache_could_not_take_is_pinned() -> None:
+@pytest.mark.parametrize("window", [4, 16])
+def test_with_a_sliding_window_a_prompt_the_cache_could_not_take_is_pinned(window: int) -> None:
     """Two users open with one system prompt at once: the second's prompt cannot be offered
     while it runs (the cache already holds its start, from the first), so a pin keeps the
-    window before its end; once it finishes and joins the cache, its next turn reads up to
-    there even though the reply came back as other tokens."""
-    d = Driver(cfg(prefix_cache=True, max_cached_seqs=8, sliding_window=4), FakeEngine(window=4))
+    window before its end; once it finishes and joins the cache (giving up its copy of the
+    system prompt for the first user's, whose pin keeps it intact where the window reaches
+    back into it), its next turn reads up to there though the reply came back otherwise."""
+    d = Driver(
+        cfg(prefix_cache=True, max_cached_seqs=8, sliding_window=window),
+        FakeEngine(window=window),
+    )
     system = prompt(20, 2)
     u = [d.add(make_request(f"u{i}", [*system, *([30 + i] * 8)], 4)) for i in range(2)]
     d.run()
