@@ -452,9 +452,19 @@ class Scheduler:
         an id for every request that may still be admitted; False if there is none."""
         assert self.prefix is not None
         while self._num_holders >= self.cfg.max_cached_seqs:
-            if not self._evict(1):
+            if not self._free_an_id():
                 return False
         return self.pool.num_free_seqs > self.cfg.max_num_seqs - len(self.running)
+
+    def _free_an_id(self) -> bool:
+        """Give up the least useful holder id: a pin inside a path first (it only keeps
+        reads ending exactly there possible, e.g. at an older turn), then a leaf."""
+        assert self.prefix is not None
+        ops = self.prefix.unpin()
+        if ops:
+            self._note_ops(ops)
+            return True
+        return self._evict(1)
 
     def _evict(self, cells: int) -> bool:
         assert self.prefix is not None
@@ -512,7 +522,7 @@ class Scheduler:
             self._retained.append(req.seq_id)
         self._note_ops(ops)
         req.seq_id = None
-        while self._num_holders > self.cfg.max_cached_seqs and self._evict(1):
+        while self._num_holders > self.cfg.max_cached_seqs and self._free_an_id():
             pass
 
     def _note_kv_wait(self, req: Request, now: float) -> None:

@@ -210,6 +210,17 @@ class PrefixIndex:
         node.pin = pin
         return True
 
+    def unpin(self) -> list[KVOp]:
+        """Release the pin of the least recently used node that has children (the
+        shallowest first: in a conversation, its oldest turn); [] if there is none."""
+        pinned = [n for n in self._nodes() if n.pin is not None and n.children]
+        if not pinned:
+            return []
+        node = min(pinned, key=lambda n: (n.last_used, n.start))
+        pin, node.pin = node.pin, None
+        assert pin is not None
+        return [Release(pin)]
+
     def evict(self, cells: int) -> tuple[int, list[KVOp]]:
         """Free at least `cells` cells (if that many are evictable), least recently used
         leaves first; returns the cells freed and the ops."""

@@ -1219,3 +1219,18 @@ def test_with_a_sliding_window_a_prompt_the_cache_could_not_take_is_pinned(windo
     assert [r.num_cached for r in nxt] == [28, 28]
     for r in (*u, *nxt):
         d.assert_matches_reference(r.req_id)
+
+
+def test_with_a_sliding_window_older_turns_give_up_their_pins_first() -> None:
+    """Each turn of a conversation leaves a pin at its prompt's end. When the cache runs out
+    of ids, those pins inside the path go before any cached conversation does: a long
+    conversation stays readable to its latest turn."""
+    d = Driver(cfg(prefix_cache=True, max_cached_seqs=3, sliding_window=4), FakeEngine(window=4))
+    ids = prompt(12, 4)
+    for turn in range(6):
+        r = d.add(make_request(f"t{turn}", ids, 3))
+        d.run()
+        if turn:
+            assert r.num_cached == len(ids) - 2  # all the last turn computed
+        ids = [*ids, *r.output_ids, 5 + turn]
+        d.assert_matches_reference(r.req_id)
