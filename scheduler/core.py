@@ -448,8 +448,8 @@ class Scheduler:
         return self.pool.num_held - len(self._unhold_after) - len(self._unhold_ready)
 
     def _holder_room(self) -> bool:
-        """Make room for one more holder (evicting least recently used leaves), keeping
-        an id for every request that may still be admitted; False if there is none."""
+        """Make room for one more holder (`_free_an_id`), keeping an id for every request
+        that may still be admitted; False if there is none."""
         assert self.prefix is not None
         while self._num_holders >= self.cfg.max_cached_seqs:
             if not self._free_an_id():
