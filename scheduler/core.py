@@ -260,9 +260,9 @@ class Scheduler:
                 and len(self.running) < self.cfg.max_num_seqs
             ):  # fmt: skip
                 break
-            if self._waits_for_publish(req, plan):
-                continue
             cached = self._cached_prefix(req)
+            if self._waits_for_publish(req, plan, cached):
+                continue
             rest = req.num_uncomputed - cached
             # requests with this very prompt wait: it computes all but the last token first
             split = req.num_prompt - 1 - cached > 0 and self._siblings_wait(req)
@@ -361,7 +361,9 @@ class Scheduler:
     # being computed: it waits for that prompt to be offered to the cache (below).
     SHARE_MIN = 64
 
-    def _waits_for_publish(self, req: Request, plan: dict[str, tuple[Request, int]]) -> bool:
+    def _waits_for_publish(
+        self, req: Request, plan: dict[str, tuple[Request, int]], have: int
+    ) -> bool:
         """Should `req` wait for a running request that is computing a long stretch of its
         prompt? That request offers its prompt to the cache once computed (`_publish`),
         and `req` then computes only the rest: a burst of requests behind one system
@@ -371,11 +373,11 @@ class Scheduler:
 
         With a sliding window a read must end at the end of what is offered, so `req`
         waits only if its prompt holds all of it; for the choices of one request (equal
-        prompts) the offering request first computes its prompt but the last token."""
+        prompts) the offering request first computes its prompt but the last token.
+        `have`: what `req` can read from the cache already."""
         if self.prefix is None or not self._looks_up(req):
             return False
         limit = req.num_prompt - 1
-        have = self._cached_prefix(req)
         for r in self.running:
             if r.published or not r.cache_prompt or r.output_ids or r.swap_key is not None:
                 continue
