@@ -35,7 +35,7 @@ from bench.aiperf_run import Cell, ensure_aiperf, ensure_tokenizer, run_aiperf
 from bench.batched_bench import run_batched_bench
 from bench.loadgen import run_load, run_lockstep
 from bench.peers import Peers, ensure_peers
-from bench.server_proc import Server, free_port, start_process, start_server
+from bench.server_proc import Server, free_port, served_model, start_process, start_server
 
 log = logging.getLogger("bench")
 SAMPLINGS: dict[str, dict[str, Any]] = {
@@ -301,9 +301,7 @@ def run(args: argparse.Namespace) -> tuple[Results, Setup]:
 
 
 def _embedded() -> Path:
-    from engine.default_model import default_model_path
-
-    return Path(default_model_path())
+    return served_model(None)
 
 
 _ATTRS = (

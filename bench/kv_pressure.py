@@ -30,7 +30,6 @@ import logging
 import random
 import re
 import shlex
-import shutil
 import statistics
 import tempfile
 import time
@@ -45,7 +44,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.loadgen import prompt
 from bench.peers import ensure_peers
-from bench.server_proc import Server, free_port, start_process, start_server
+from bench.server_proc import (
+    Server,
+    add_pair_options,
+    free_port,
+    on_gpu,
+    served_model,
+    start_process,
+    start_server,
+)
 
 log = logging.getLogger("bench.kv_pressure")
 NAME = "bench-model"
@@ -358,15 +365,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--model", help="GGUF (default: the embedded Gemma 3 270M)")
     p.add_argument("--threads", type=int, default=0, help="both servers (0: their defaults)")
-    p.add_argument("--gpu", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--peer-bin", help="prebuilt llama-server folder (default: build it)")
-    p.add_argument("--cache", default=".bench")
-    p.add_argument("--no-peer", action="store_true", help="ours only")
-    p.add_argument("--ours-args", default="--repro-slots 0",
-                   help="extra `one-gpu serve` options, quoted (default: no reproducible "
-                   "lane, whose own KV would be memory llama-server does not get)")  # fmt: skip
-    p.add_argument("--peer-args", default="", help="extra llama-server options, quoted")
-    p.add_argument("--json", type=Path, help="write the raw results here")
+    add_pair_options(p)
     args = p.parse_args(argv)
     for name in args.scenario:
         longest = max(prompt_sizes(name, args.n_ctx, args.osl, args))
@@ -381,13 +380,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    gpu = args.gpu if args.gpu is not None else shutil.which("nvidia-smi") is not None
-    if args.model:
-        model = Path(args.model)
-    else:
-        from engine.default_model import default_model_path
-
-        model = Path(default_model_path())
+    gpu = on_gpu(args.gpu)
+    model = served_model(args.model)
     sizes = {s: prompt_sizes(s, args.n_ctx, args.osl, args) for s in args.scenario}
     rng = random.Random(args.seed)
     scenarios = {s: [prompt(rng, n) for n in ns] for s, ns in sizes.items()}

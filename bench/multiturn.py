@@ -49,7 +49,6 @@ import logging
 import math
 import random
 import shlex
-import shutil
 import statistics
 import tempfile
 import time
@@ -65,7 +64,16 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from bench.kv_pressure import MetricKey, log_notes, scrape
 from bench.peers import ensure_peers
-from bench.server_proc import ROOT, Server, free_port, start_process, start_server
+from bench.server_proc import (
+    ROOT,
+    Server,
+    add_pair_options,
+    free_port,
+    on_gpu,
+    served_model,
+    start_process,
+    start_server,
+)
 from engine.gguf_header import read_header
 
 log = logging.getLogger("bench.multiturn")
@@ -669,16 +677,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--model", help="GGUF (default: the embedded Gemma 3 270M)")
     p.add_argument("--threads", type=int, default=0, help="both servers (0: their defaults)")
-    p.add_argument("--gpu", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--cpu-moe", action="store_true", help="routed experts in host RAM, both")
-    p.add_argument("--peer-bin", help="prebuilt llama-server folder (default: build it)")
-    p.add_argument("--cache", default=".bench")
-    p.add_argument("--no-peer", action="store_true", help="ours only")
-    p.add_argument("--ours-args", default="--repro-slots 0",
-                   help="extra `one-gpu serve` options, quoted (default: no reproducible "
-                   "lane, whose own KV would be memory llama-server does not get)")  # fmt: skip
-    p.add_argument("--peer-args", default="", help="extra llama-server options, quoted")
-    p.add_argument("--json", type=Path, help="write the raw results here")
+    add_pair_options(p)
     args = p.parse_args(argv)
     if min(args.users, args.turns, args.burst, args.osl, args.repeats) < 1:
         p.error("--users, --turns, --burst, --osl and --repeats must be at least 1")
@@ -696,13 +696,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     for noisy in ("httpx", "httpx2", "openai"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    gpu = args.gpu if args.gpu is not None else shutil.which("nvidia-smi") is not None
-    if args.model:
-        model = Path(args.model)
-    else:
-        from engine.default_model import default_model_path
-
-        model = Path(default_model_path())
+    gpu = on_gpu(args.gpu)
+    model = served_model(args.model)
     use_synth_words(model)
     works: dict[str, ChatWork | BurstWork] = {}
     if "chat" in args.scenario:

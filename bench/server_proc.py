@@ -3,7 +3,9 @@ port and wait until it is ready; used by the end-to-end tests and the benchmarks
 
 from __future__ import annotations
 
+import argparse
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -97,3 +99,30 @@ def start_server(
     port = free_port()
     cmd = [sys.executable, "-m", "api.cli", "serve", "--port", str(port), *args]
     return start_process(cmd, port, log_path, ready_timeout_s, env)
+
+
+def served_model(path: str | None) -> Path:
+    """The GGUF a benchmark serves: `path`, else the embedded default model."""
+    if path:
+        return Path(path)
+    from engine.default_model import default_model_path
+
+    return Path(default_model_path())
+
+
+def add_pair_options(p: argparse.ArgumentParser) -> None:
+    """Options of a benchmark that runs ours and llama-server on the same model."""
+    p.add_argument("--gpu", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--peer-bin", help="prebuilt llama-server folder (default: build it)")
+    p.add_argument("--cache", default=".bench")
+    p.add_argument("--no-peer", action="store_true", help="ours only")
+    p.add_argument("--ours-args", default="--repro-slots 0",
+                   help="extra `one-gpu serve` options, quoted (default: no reproducible "
+                   "lane, whose own KV would be memory llama-server does not get)")  # fmt: skip
+    p.add_argument("--peer-args", default="", help="extra llama-server options, quoted")
+    p.add_argument("--json", type=Path, help="write the raw results here")
+
+
+def on_gpu(flag: bool | None) -> bool:
+    """`--gpu`/`--no-gpu`, else whether this host has an NVIDIA GPU."""
+    return flag if flag is not None else shutil.which("nvidia-smi") is not None

@@ -14,7 +14,6 @@ import asyncio
 import itertools
 import logging
 import random
-import shutil
 import statistics
 import tempfile
 import time
@@ -27,7 +26,14 @@ from openai import AsyncOpenAI, DefaultAsyncHttpx2Client
 
 from bench.loadgen import prompt
 from bench.peers import ensure_peers
-from bench.server_proc import Server, free_port, start_process, start_server
+from bench.server_proc import (
+    Server,
+    free_port,
+    on_gpu,
+    served_model,
+    start_process,
+    start_server,
+)
 
 log = logging.getLogger("bench.stall")
 NAME = "bench-model"
@@ -135,13 +141,8 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     for noisy in ("httpx", "httpx2", "openai"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    gpu = args.gpu if args.gpu is not None else shutil.which("nvidia-smi") is not None
-    if args.model:
-        model = Path(args.model)
-    else:
-        from engine.default_model import default_model_path
-
-        model = Path(default_model_path())
+    gpu = on_gpu(args.gpu)
+    model = served_model(args.model)
     n_ctx = args.prompt_tokens + args.decoders * (DECODER_TOKENS + 96) + 1024
     logdir = Path(tempfile.mkdtemp(prefix="onegpu-stall-"))
     ours_args = [
