@@ -215,6 +215,7 @@ class Scheduler:
         for req in prefilling:
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            req.split_at = self._offer_point(req, req.num_computed, req.shared)
             n = timer.grant(
                 min(req.num_uncomputed, budget, self._chunk_cap(), self._until_split(req)),
                 req.num_computed,
@@ -264,9 +265,9 @@ class Scheduler:
             if self._waits_for_publish(req, plan, cached):
                 continue
             rest = req.num_uncomputed - cached
-            # requests with this very prompt wait: it computes all but the last token first
-            split = req.num_prompt - 1 - cached > 0 and self._siblings_wait(req)
-            cap = req.num_prompt - 1 - cached if split else rest
+            # others waiting share a stretch of this prompt: it offers that stretch first
+            split = self._offer_point(req, cached, cached)
+            cap = split - cached if split is not None else rest
             n = timer.grant(
                 min(rest, budget, self._chunk_cap(), cap), req.num_computed + cached, rest
             )
@@ -283,7 +284,7 @@ class Scheduler:
                 break
             committed += need - n
             self.waiting.remove(req)
-            req.split_last = split
+            req.split_at = split
             self._note_kv_wait(req, now)
             req.seq_id = self.pool.open()
             req.status = RequestStatus.RUNNING
@@ -364,57 +365,78 @@ class Scheduler:
     def _waits_for_publish(
         self, req: Request, plan: dict[str, tuple[Request, int]], have: int
     ) -> bool:
-        """Should `req` wait for a running request that is computing a long stretch of its
-        prompt? That request offers its prompt to the cache once computed (`_publish`),
-        and `req` then computes only the rest: a burst of requests behind one system
-        prompt, or the `n` choices of one request, compute it once (SGLang does the same
-        within a batch). A stretch that request will not offer (it decodes already, or
-        it is past the point it offers) is no reason to wait.
-
-        With a sliding window a read must end at the end of what is offered, so `req`
-        waits only if its prompt holds all of it; for the choices of one request (equal
-        prompts) the offering request first computes its prompt but the last token.
+        """Should `req` wait for a running request that is computing a stretch of its
+        prompt? That request offers what it computed to the cache at its next *offer
+        point* (`_publish`), and `req` then computes only the rest: a burst of requests
+        behind one system prompt, or the `n` choices of one request, compute the shared
+        part once (SGLang does the same within a batch). The offer point is where the
+        stretch shared with those waiting ends (`_offer_point`), so `req` neither waits for
+        the rest of a longer prompt nor, with a sliding window (where a read must end at
+        an offer point), misses the shared part. A stretch that request will not offer
+        (it decodes already, or computed past it) is no reason to wait.
         `have`: what `req` can read from the cache already."""
         if self.prefix is None or not self._looks_up(req):
             return False
-        limit = req.num_prompt - 1
         for r in self.running:
-            if r.published or not r.cache_prompt or r.output_ids or r.swap_key is not None:
+            if not self._may_offer(r):
+                continue
+            c = self._shares(req, r.prompt_ids, req.num_prompt - 1, have)
+            if c is None:
                 continue
             end = r.num_computed + (plan[r.req_id][1] if r.req_id in plan else 0)
-            point = r.num_prompt - 1 if r.split_last else r.num_prompt
-            if end > point:
-                continue
-            c = common_prefix(req.prompt_ids, r.prompt_ids, limit)
-            if not self.prefix.window:
-                if c - have >= self.SHARE_MIN:
-                    return True
-            elif c >= point:
-                return True
-            elif c == r.num_prompt - 1 and r.num_computed < c and end <= c:  # the same prompt
-                r.split_last = True
+            point = r.split_at if r.split_at is not None else r.num_prompt
+            if end <= point and (point <= c or not self.prefix.window):
                 return True
         return False
 
-    def _siblings_wait(self, req: Request) -> bool:
-        """With a sliding window: requests with this very prompt wait behind it, so it
-        offers its prompt but the last token (what they can read) before computing it."""
-        if self.prefix is None or not self.prefix.window or not self._looks_up(req):
-            return False
-        return any(w is not req and w.prompt_ids == req.prompt_ids for w in self.waiting)
+    def _may_offer(self, req: Request) -> bool:
+        """`req` is computing a prompt it will offer to the cache (in full or in part)."""
+        return (
+            self.prefix is not None and req.cache_prompt and not req.published
+            and not req.output_ids and req.swap_key is None
+        )  # fmt: skip
+
+    def _shares(self, req: Request, other: list[int], limit: int, have: int) -> int | None:
+        """How much of `req`'s prompt (at most `limit`) `other` starts with, if that is
+        worth waiting for: `SHARE_MIN` tokens beyond `have`, or any for the very same
+        prompt (the `n` choices of one request)."""
+        need = have + (1 if other == req.prompt_ids else self.SHARE_MIN)
+        if min(limit, len(other)) < need or other[need - 1] != req.prompt_ids[need - 1]:
+            return None  # (the quick test: most prompts part early)
+        c = common_prefix(req.prompt_ids, other, limit)
+        return c if c >= need else None
+
+    def _offer_point(self, req: Request, start: int, have: int) -> int | None:
+        """Where `req`, computing its prompt from `start`, should next offer it to the
+        cache short of its end: where the shortest stretch a waiting request shares with
+        it (`_shares`, beyond the `have` it read from the cache) ends. None when nobody
+        waits for a part of it. Asked afresh at every chunk: requests come and go."""
+        if not self._may_offer(req):
+            return None
+        best = None
+        for w in self.waiting:
+            if w is req or not self._looks_up(w):
+                continue
+            c = self._shares(w, req.prompt_ids, w.num_prompt - 1, have)
+            if c is not None and start < c < req.num_prompt and (best is None or c < best):
+                best = c
+        return best
 
     def _until_split(self, req: Request) -> int:
         """Tokens `req` may compute before the point it offers its prompt at."""
-        if req.split_last and not req.published and req.num_computed < req.num_prompt - 1:
-            return req.num_prompt - 1 - req.num_computed
+        if req.split_at is not None and req.num_computed < req.split_at:
+            return req.split_at - req.num_computed
         return self.cfg.max_num_batched_tokens
 
     def _publish(self, req: Request) -> None:
-        """`req` computed its prompt (or all but its last token): a fresh holder tags the
-        same cells as a cache leaf, so requests arriving while it decodes read them."""
+        """`req` computed its prompt, or the stretch others wait for (`split_at`): a fresh
+        holder tags the same cells as a cache leaf, so requests arriving while it decodes
+        (or computes on) read them. Past the prompt but its last token, it offers no more."""
         assert self.prefix is not None and req.seq_id is not None
-        req.published = True
         n = req.num_computed
+        if req.split_at == n:
+            req.split_at = None
+        req.published = n >= req.num_prompt - 1
         lease = req.lease or Lease(None, 0)
         tokens = req.prompt_ids[:n]
         if n == lease.length:
@@ -425,13 +447,14 @@ class Scheduler:
             # when the request finishes and its path joins the cache (`_keep_as_cache`).
             if (
                 self.prefix.window
+                and req.pin is None
                 and self._num_holders < self.cfg.max_cached_seqs
                 and (self.pool.num_free_seqs > self.cfg.max_num_seqs - len(self.running))
             ):  # (a free id: a pin that may come to nothing evicts nothing)
                 pin = self.pool.open()
                 self.pool.hold(pin, 0)
                 req.pin = (pin, n)
-                self._kv_ops.append(Share(req.seq_id, pin, max(0, n - self.prefix.window), n))
+                self._kv_ops.append(Share(req.seq_id, pin, self.prefix.reach(n), n))
             return
         if not self._holder_room():
             return
@@ -506,15 +529,15 @@ class Scheduler:
         # which must then be intact: else the pin goes.
         pin, req.pin = req.pin, None
         keep = None
-        if pin is not None and self.prefix.keeps(tokens, req.shared, pin[1] - self.prefix.window):
-            keep = pin[1] - self.prefix.window
+        if pin is not None and self.prefix.keeps(tokens, req.shared, self.prefix.reach(pin[1])):
+            keep = self.prefix.reach(pin[1])
         given_up, ops = self.prefix.insert(tokens, req.seq_id, req.shared, keep)
         if pin is not None:
             kept = keep is not None and not any(
                 isinstance(op, Release) and op.seq == req.seq_id for op in ops
             )
             if kept and self.prefix.pin(req.prompt_ids[: pin[1]], pin[0]):
-                ops += [Trim(pin[0], 0, -1), Share(req.seq_id, pin[0], max(0, keep or 0), pin[1])]
+                ops += [Trim(pin[0], 0, -1), Share(req.seq_id, pin[0], keep or 0, pin[1])]
             else:
                 ops.append(Release(pin[0]))
         new = req.num_computed - req.shared - given_up
@@ -748,8 +771,9 @@ class Scheduler:
                 continue
             req.num_computed += len(chunk.tokens)
             if (
-                self.prefix is not None and req.cache_prompt and not req.published
-                and req.num_computed == (req.num_prompt - 1 if req.split_last else req.num_prompt)
+                self.prefix is not None and req.cache_prompt
+                and (req.num_computed == req.split_at
+                     or (not req.published and req.num_computed == req.num_prompt))
             ):  # fmt: skip
                 self._publish(req)
             if chunk.sample:

@@ -70,6 +70,12 @@ class PrefixIndex:
         self.cells = 0  # cells held by the tree, each counted once
         self._locked = 0  # of which in nodes a running request reads (refs > 0)
 
+    def reach(self, end: int) -> int:
+        """The first position a token at `end` attends to on the window layers: the cells a
+        read continuing at `end` needs are [reach(end), end). (The cell a full window back
+        is not among them: llama.cpp may already have given it to another token.)"""
+        return max(0, end - self.window + 1)
+
     # ---- reading ---------------------------------------------------------------------
     def match(self, tokens: Sequence[int]) -> int:
         """The length of the longest cached prefix of `tokens`."""
@@ -144,7 +150,7 @@ class PrefixIndex:
         if k > shared:  # it computed cached positions itself: it reads the tree's instead
             # With a window, a read at the new leaf's end needs the cells after
             # len - window: those taken from the tree must be in their holder's window.
-            need = max(shared, len(tokens) - self.window + 1) if self.window else k
+            need = max(shared, self.reach(len(tokens))) if self.window else k
             if keep is not None:
                 need = min(need, max(shared, keep))
             src = self._holder_covering(node, need, k) if need < k else self._holder_below(node)
@@ -158,7 +164,7 @@ class PrefixIndex:
         if node is not self._root and not node.children:  # a leaf gets a child
             assert node.holder is not None
             if self.window and node.readable and node.pin is None:  # its holder pins its end
-                ops.append(Trim(node.holder, 0, max(0, node.end - self.window)))
+                ops.append(Trim(node.holder, 0, self.reach(node.end)))
                 node.pin = node.holder
             else:
                 ops.append(Release(node.holder))
@@ -192,7 +198,7 @@ class PrefixIndex:
         k = node.start + off if node is not self._root else 0
         if k <= max(pos, shared) or k == len(tokens):
             return True
-        need = max(shared, min(len(tokens) - self.window + 1, pos))
+        need = max(shared, min(self.reach(len(tokens)), pos))
         return self._holder_covering(node, need, k) is not None
 
     def pin(self, tokens: Sequence[int], pin: int) -> bool:
@@ -283,11 +289,11 @@ class PrefixIndex:
             stack.extend(n.children.values())
             if n.children:
                 continue
-            spans = [(n.end - self.window + 1, n.end)] if n.readable else []
+            spans = [(self.reach(n.end), n.end)] if n.readable else []
             up: _Node | None = n
             while up is not None and up is not self._root:
                 if up.pin is not None:
-                    spans.append((up.end - self.window, up.end))
+                    spans.append((self.reach(up.end), up.end))
                 up = up.parent
             at = pos
             for a, b in sorted(spans):

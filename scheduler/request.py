@@ -72,7 +72,7 @@ class Request:
     cache_prompt: bool = True  # may read and feed the prefix cache
     num_cached: int = 0  # prompt tokens it read from the cache instead of computing them
     published: bool = False  # its prompt was offered to the cache while it runs
-    split_last: bool = False  # its prompt but the last token is offered (see Scheduler)
+    split_at: int | None = None  # it offers its first `split_at` tokens, for others waiting
     pin: tuple[int, int] | None = None  # (seq id, end): it keeps the window before `end`
     queued_time: float | None = None  # when it last joined the queue (None: at arrival)
     kv_wait_s: float = 0.0  # time it waited in the queue while KV kept it out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -160,6 +161,29 @@ def test_a_sliding_window_model_never_reads_a_pruned_prefix() -> None:
             assert got.choices[0].text == want.choices[0].text  # type: ignore[attr-defined]
     finally:
         plain.stop()
+
+
+def test_a_sliding_window_model_computes_a_burst_s_shared_start_once() -> None:
+    """Four requests arrive together behind one long shared start (~1,200 Gemma tokens)
+    and part only in their last words. Under Gemma's window a read must end where the
+    window before it is intact, which the end of the first request's prompt is not for the
+    others: the first offers the shared start to the cache as soon as it has computed it
+    (its chunks are small here, so the others arrive while it computes), and the others
+    read it and compute only their own endings."""
+    prompts = [f"Count: {COUNT}, and one question {k}: what is {k} times {k}?" for k in range(4)]
+    srv = _serve(None, "--n-ctx", "8192", "--max-num-batched-tokens", "256")
+    try:
+        before = _prefilled(srv)
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(lambda p: _complete(srv, p, 4, model=GEMMA), prompts))
+        after = _prefilled(srv)
+    finally:
+        srv.stop()
+    usage = [r.usage for r in got]  # type: ignore[attr-defined]
+    cached = sorted(u.prompt_tokens_details.cached_tokens for u in usage)
+    assert cached[0] == 0 and cached[1] >= 1_100  # all but the first read the shared start
+    assert after - before == sum(u.prompt_tokens for u in usage) - sum(cached)
+    assert after - before < max(u.prompt_tokens for u in usage) + 3 * 100
 
 
 def test_the_reproducible_lane_computes_every_prompt_itself() -> None:

@@ -211,3 +211,22 @@ def test_the_fake_engine_follows_the_index_like_llama_cpp() -> None:
     _, ops = index.evict(100)
     fake.step(StepBatch([], kv_ops=ops))
     assert fake.kv == {} and fake.kv_used == 0
+
+
+def test_with_a_window_a_leaf_that_gets_a_child_keeps_what_a_read_at_its_end_attends_to() -> None:
+    """A token at position L attends to [L - window + 1, L] on the window layers, and
+    llama.cpp may already have reused the cell a full window back. When a cached leaf
+    gets a child, its holder stays as the pin of its end with exactly those cells, and a
+    read ending there stays possible; the cell a window back is not claimed as intact."""
+    window = 8
+    index = PrefixIndex(window)
+    first = list(range(1, 41))
+    index.insert(first, 1, 0)
+    assert index.reach(40) == 33
+    _, ops = index.insert([*first, 50, 51], 2, 0)
+    assert Trim(1, 0, 33) in ops  # the pin keeps [33, 40)
+    assert index.readable([*first, 60, 61], 41) == 40
+    # a finishing sequence may take the tree's cells only where they are certainly intact:
+    # a read at the end of [*first, 70] needs [34, 41), covered by the pin from 34 on
+    assert index.keeps([*first, 70], 0, 34)
+    assert not index.keeps([*first, 70], 0, 32)

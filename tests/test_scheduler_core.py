@@ -1048,11 +1048,18 @@ def prompt_tokens_computed(d: Driver) -> int:
     return sum(n for step in d.steps for n, _ in step.out.prompt_chunks)
 
 
-def test_requests_behind_one_prompt_compute_it_once() -> None:
+@pytest.mark.parametrize("window", [0, 8])
+def test_requests_behind_one_prompt_compute_it_once(window: int) -> None:
     """A burst behind one long system prompt: the first request computes it and offers it
-    to the cache as soon as it is computed (while it goes on decoding); the others wait for
-    that, read it, and compute only their own questions. Each output is what it is alone."""
-    d = Driver(cfg(prefix_cache=True, max_cached_seqs=8, max_num_batched_tokens=64))
+    to the cache as soon as it is computed, before its own question; the others wait for
+    that, read it, and compute only their own questions. With a sliding window too: the
+    offer ends where the questions part, so the read ends where its window is intact (the
+    fake fails a read of a cell llama.cpp may overwrite). Each output is what it is alone."""
+    d = Driver(
+        cfg(prefix_cache=True, max_cached_seqs=8, max_num_batched_tokens=64,
+            sliding_window=window),
+        FakeEngine(window=window),
+    )  # fmt: skip
     system = prompt(100, 3)
     reqs = [d.add(make_request(f"q{i}", [*system, 1 + i, 2 + i], 4)) for i in range(4)]
     d.run()
@@ -1061,6 +1068,32 @@ def test_requests_behind_one_prompt_compute_it_once() -> None:
     for r in reqs:
         d.assert_matches_reference(r.req_id)
     assert d.sched.prefix is not None and d.sched.prefix.evictable == d.sched.prefix.cells
+
+
+@pytest.mark.parametrize("window", [0, 8])
+def test_a_request_sharing_the_start_of_a_prompt_being_computed_reads_that_start(
+    window: int,
+) -> None:
+    """A long prompt is being computed when a request sharing only its start arrives: the
+    running one offers the shared part to the cache as soon as it has computed it, so the
+    newcomer reads it and computes only its own tokens — with a sliding window too, where
+    a read must end at a point offered (the fake fails a read of a cell llama.cpp may
+    overwrite), which the end of the long prompt is not."""
+    d = Driver(
+        cfg(prefix_cache=True, max_cached_seqs=8, max_num_batched_tokens=32,
+            sliding_window=window),
+        FakeEngine(window=window),
+    )  # fmt: skip
+    system = prompt(96, 4)
+    long = d.add(make_request("long", [*system, *prompt(200, 9)], 3))
+    d.step()
+    assert 0 < long.num_computed < 96
+    short = d.add(make_request("short", [*system, 5, 6, 7], 3))
+    d.run()
+    assert short.num_cached == 96
+    assert prompt_tokens_computed(d) == 296 + 3
+    d.assert_matches_reference("long")
+    d.assert_matches_reference("short")
 
 
 @pytest.mark.parametrize("window", [0, 8])
@@ -1155,8 +1188,8 @@ def test_random_cached_workload_matches_reference(seed: int, window: int) -> Non
 
 
 def test_with_a_sliding_window_conversations_behind_one_system_prompt_are_all_kept() -> None:
-    """Two users open with the same system prompt at once: the second computes it too (it
-    cannot read the first's prompt mid-way under a window) and, when it finishes, gives its
+    """Two users open with the same short system prompt at once (too short to wait for):
+    the second computes it too and, when it finishes, gives its
     copy up for the first user's cells, which are still in their holder's window. So both
     conversations are cached, and each next turn reads its own."""
     d = Driver(cfg(prefix_cache=True, max_cached_seqs=8, sliding_window=64), FakeEngine(window=64))
