@@ -127,7 +127,10 @@ class Submission:
         *,
         ignore_eos: bool = False,
         cache_prompt: bool = True,
+        offer_at: int = 0,
     ) -> None:
+        """One sequence to generate. `offer_at`: a point of the prompt to offer to the
+        prefix cache on the way (a chat's system block end, see `scheduler.core`)."""
         if self.lane == REPRODUCIBLE:
             check_reproducible(params)  # refused, never served in another lane
         model = self.state.model
@@ -143,6 +146,7 @@ class Submission:
                 is_eog=_never if ignore_eos else model.is_eog,
                 client=self.client,
                 cache_prompt=cache_prompt,
+                offer_at=offer_at,
             )
         )
 

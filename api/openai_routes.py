@@ -187,7 +187,8 @@ async def chat_completions(request: Request) -> Response:
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     sub = Submission(state, rid, lane, client_of(request.scope))
     with sub.admission(req.n):
-        ids = await chat_prompt(state, messages, context_limit(state, lane))
+        prompt = await chat_prompt(state, messages, context_limit(state, lane))
+        ids = prompt.ids
         asked = req.max_completion_tokens or req.max_tokens
         max_tokens = max_tokens_for(state, len(ids), asked, lane)
         for i in range(req.n):
@@ -196,7 +197,7 @@ async def chat_completions(request: Request) -> Response:
             )
             sub.add(
                 ids, params, max_tokens, stops, ignore_eos=req.ignore_eos,
-                cache_prompt=req.cache_prompt,
+                cache_prompt=req.cache_prompt, offer_at=prompt.system_end,
             )  # fmt: skip
         sub.submit()
     fp = state.fingerprints[lane]

@@ -17,7 +17,7 @@ import anyio
 from api.errors import ContextLengthExceeded, InvalidRequest
 from api.state import ServerState
 from engine.chat_template import ChatTemplateError
-from engine.chat_tokens import chat_prompt_ids
+from engine.chat_tokens import ChatPrompt, chat_prompt_ids
 
 
 def _at_least(n_chars: int, state: ServerState) -> int:
@@ -37,9 +37,11 @@ def _refuse_if_too_long(n_chars: int, limit: int, state: ServerState, param: str
         )
 
 
-async def chat_prompt(state: ServerState, messages: list[dict[str, str]], limit: int) -> list[int]:
+async def chat_prompt(state: ServerState, messages: list[dict[str, str]], limit: int) -> ChatPrompt:
     """The chat's token ids: template text with its special tokens, message content as
-    plain text (engine.chat_tokens)."""
+    plain text (engine.chat_tokens). On a sliding-window model, also where its system
+    block ends: the prefix cache can let others read a prompt only at points it offers
+    (scheduler.prefix), and that one is where prompts behind one system prompt part."""
     _refuse_if_too_long(sum(len(m["content"]) for m in messages), limit, state, "messages")
     model = state.model
 
@@ -48,7 +50,7 @@ async def chat_prompt(state: ServerState, messages: list[dict[str, str]], limit:
 
     work = partial(
         chat_prompt_ids, state.template, messages, tokenize, model.is_control,
-        add_bos=model.add_bos, bos_token=model.bos_token,
+        add_bos=model.add_bos, bos_token=model.bos_token, find_system_end=model.n_swa > 0,
     )  # fmt: skip
     try:
         return await anyio.to_thread.run_sync(work, limiter=state.prompt_workers)

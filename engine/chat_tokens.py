@@ -87,6 +87,19 @@ def _transform(after_think: bool, trim: Callable[[str], str]) -> Callable[[str],
 _TRANSFORMS = tuple(_transform(a, t) for a in (False, True) for t in _TRIMS)
 
 
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """A chat prompt's token ids, and how many of them come before the first message that
+    is not a system (or developer) message: the start that requests with the same system
+    prompt share (0 when there is none, or when the template could not be aligned)."""
+
+    ids: list[int]
+    system_end: int = 0
+
+
+_SYSTEM_ROLES = ("system", "developer")
+
+
 def chat_prompt_ids(
     template: ChatTemplate,
     messages: list[dict[str, Any]],
@@ -95,10 +108,12 @@ def chat_prompt_ids(
     *,
     add_bos: bool,
     bos_token: str,
-) -> list[int]:
+    find_system_end: bool = False,
+) -> ChatPrompt:
     """Token ids of the chat prompt, BOS added unless the rendered prompt starts with the BOS
     text; control tokens come only from template text. Raises `ChatTemplateError` when that
-    cannot be guaranteed. Thread-safe: every cache lives for this call only."""
+    cannot be guaranteed. Thread-safe: every cache lives for this call only.
+    `find_system_end`: also find where the system block ends (one more tokenization)."""
     tok = _Tokenizer(tokenize, is_control)
     _refuse_spelled_fields(messages, tok)
     rendered = template.render(messages)
@@ -109,8 +124,27 @@ def chat_prompt_ids(
     found = _align(template, messages, contents, rendered)
     if found is None:
         _refuse_spelled_contents(contents, tok)
-        return tok.ids(rendered, special=True, add_special=want_bos)
-    segments, spans = found
+        return ChatPrompt(tok.ids(rendered, special=True, add_special=want_bos))
+    segments, spans, owners = found
+    ids = _aligned_ids(tok, rendered, segments, spans, want_bos)
+    first = next((i for i, m in enumerate(messages) if m.get("role") not in _SYSTEM_ROLES), 0)
+    if not find_system_end or first == 0 or first not in owners:
+        return ChatPrompt(ids)
+    # The system block ends where the first other message's content starts; tokenized
+    # alone, that text may end on a different token than inside the prompt (a merge across
+    # the boundary): the ids both agree on are the shared start.
+    head = tok.ids(rendered[: spans[owners.index(first)][0]], special=True, add_special=want_bos)
+    n = next((i for i, (a, b) in enumerate(zip(head, ids, strict=False)) if a != b), len(head))
+    return ChatPrompt(ids, min(n, len(ids)))
+
+
+def _aligned_ids(
+    tok: _Tokenizer,
+    rendered: str,
+    segments: list[str],
+    spans: list[tuple[int, int]],
+    want_bos: bool,
+) -> list[int]:
     wrap = tok.ids("", special=False, add_special=True) if want_bos else []
     head, tail = wrap[:1], wrap[1:]  # BOS first, EOS (vocabs that add one) last
     if len(rendered) > _WHOLE_MAX_CHARS:
@@ -328,9 +362,10 @@ def _align(
     messages: list[dict[str, Any]],
     contents: dict[int, str],
     rendered: str,
-) -> tuple[list[str], list[tuple[int, int]]] | None:
-    """Template segments T0..Tn and the spans of `rendered` holding the contents between
-    them, or None when `rendered` is not T0 g1(C1) T1 ... Tn for transforms g we know.
+) -> tuple[list[str], list[tuple[int, int]], list[int]] | None:
+    """Template segments T0..Tn, the spans of `rendered` holding the contents between
+    them and the message each came from, or None when `rendered` is not
+    T0 g1(C1) T1 ... Tn for transforms g we know.
 
     Each content is found in the probed rendering by its marker, and the text left and right
     of the marker names the transform. The walk keeps (end in probed, end in rendered)
@@ -349,6 +384,7 @@ def _align(
     lefts, rights = {left for left, _ in shapes}, {right for _, right in shapes}
     states: list[tuple[int, int]] = [(0, 0)]
     levels: list[_Level] = []
+    owners: list[int] = []  # the message of each rendered content
     xs: dict[tuple[int, int], str] = {}  # (message, transform) -> rendered content
     for bs, be, k in probe.markers(probed):
         text = contents.get(k)
@@ -376,6 +412,7 @@ def _align(
         if not level:
             return None
         levels.append(level)
+        owners.append(k)
         states = list(level)[:_MAX_STATES]
     for e, p in states:
         last = probed[e:]
@@ -388,7 +425,7 @@ def _align(
             spans.append((q, key[1]))
             segments.append(rendered[prev[1] : q])
             key = prev
-        return segments[::-1], spans[::-1]
+        return segments[::-1], spans[::-1], owners
     return None
 
 

@@ -409,11 +409,17 @@ class Scheduler:
     def _offer_point(self, req: Request, start: int, have: int) -> int | None:
         """Where `req`, computing its prompt from `start`, should next offer it to the
         cache short of its end: where the shortest stretch a waiting request shares with
-        it (`_shares`, beyond the `have` it read from the cache) ends. None when nobody
-        waits for a part of it. Asked afresh at every chunk: requests come and go."""
+        it (`_shares`, beyond the `have` it read from the cache) ends. With a sliding
+        window also its own `offer_at` (a chat's system block end), so that requests
+        behind the same system prompt that come later, when this one has finished, can
+        read it: a read must end at a point offered. None when there is no such point.
+        Asked afresh at every chunk: requests come and go."""
         if not self._may_offer(req):
             return None
+        assert self.prefix is not None
         best = None
+        if self.prefix.window and max(start, have) < req.offer_at < req.num_prompt:
+            best = req.offer_at
         for w in self.waiting:
             if w is req or not self._looks_up(w):
                 continue

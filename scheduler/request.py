@@ -73,6 +73,7 @@ class Request:
     num_cached: int = 0  # prompt tokens it read from the cache instead of computing them
     published: bool = False  # its prompt was offered to the cache while it runs
     split_at: int | None = None  # it offers its first `split_at` tokens, for others waiting
+    offer_at: int = 0  # a point its prompt is offered at with a window (a system block's end)
     pin: tuple[int, int] | None = None  # (seq id, end): it keeps the window before `end`
     queued_time: float | None = None  # when it last joined the queue (None: at arrival)
     kv_wait_s: float = 0.0  # time it waited in the queue while KV kept it out

@@ -15,7 +15,7 @@ import gguf
 import pytest
 
 from engine.chat_template import ChatTemplate, ChatTemplateError
-from engine.chat_tokens import chat_prompt_ids
+from engine.chat_tokens import ChatPrompt, chat_prompt_ids
 from engine.config import EngineConfig
 from engine.default_model import default_model_path
 from engine.model import Model
@@ -131,7 +131,7 @@ def prompt_ids(m: Model, tmpl: ChatTemplate, messages: Messages) -> list[int]:
         m.is_control,
         add_bos=m.add_bos,
         bos_token=m.bos_token,
-    )
+    ).ids
 
 
 def today_ids(m: Model, tmpl: ChatTemplate, messages: Messages) -> list[int]:
@@ -405,3 +405,30 @@ def test_random_conversations(gemma: Model, chatml: Model) -> None:
         if m is gemma:
             assert named_text(m, ids) == tmpl.render(messages), messages
     assert num_spelled > 100
+
+
+@pytest.mark.parametrize("name", ["gemma", "chatml"])
+def test_the_system_block_end_is_where_chats_behind_one_system_prompt_part(
+    name: str, request: pytest.FixtureRequest
+) -> None:
+    """Chats with the same system prompt and different questions agree on their ids up to
+    the system block's end, and part within a few tokens after it (the template's text
+    before the question may merge with it): the point the prefix cache offers a
+    sliding-window model's prompt at. No system message: no such point."""
+    m: Model = request.getfixturevalue(name)
+    tmpl = template(m)
+
+    def chat(messages: Messages, find: bool = True) -> ChatPrompt:
+        return chat_prompt_ids(
+            tmpl, messages, lambda t, a, p: m.tokenize(t, add_special=a, parse_special=p),
+            m.is_control, add_bos=m.add_bos, bos_token=m.bos_token, find_system_end=find,
+        )  # fmt: skip
+
+    system = {"role": "system", "content": "You answer in one short sentence. " * 8}
+    a = chat([system, {"role": "user", "content": "What is a lighthouse?"}])
+    b = chat([system, {"role": "user", "content": "Who keeps bees?"}])
+    common = next(i for i, (x, y) in enumerate(zip(a.ids, b.ids, strict=False)) if x != y)
+    assert a.system_end == b.system_end > 40
+    assert common - 3 <= a.system_end <= common
+    assert chat([system, {"role": "user", "content": "Hi"}], find=False).system_end == 0
+    assert chat([{"role": "user", "content": "What is a lighthouse?"}]).system_end == 0

@@ -24,7 +24,14 @@ from bench.server_proc import Server, start_server
 from engine.config import EngineConfig
 from engine.default_model import default_model_path
 from engine.model import Model
-from tests.bystander import ENGINE_THREADS, TIGHT_STALL, Bystander, Conn, error_of
+from tests.bystander import (
+    ENGINE_THREADS,
+    TIGHT_STALL,
+    TIGHT_STALL_MS,
+    Bystander,
+    Conn,
+    error_of,
+)
 from tests.conftest import MODEL
 
 pytestmark = pytest.mark.e2e
@@ -52,7 +59,7 @@ def hardened(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def watcher(hardened: Server) -> Bystander:
-    return Bystander(hardened, WATCHER)
+    return Bystander(hardened, WATCHER, stall_s=TIGHT_STALL_MS / 1000)
 
 
 def chat(content: str, **extra: Any) -> dict[str, Any]:

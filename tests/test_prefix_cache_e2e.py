@@ -186,6 +186,31 @@ def test_a_sliding_window_model_computes_a_burst_s_shared_start_once() -> None:
     assert after - before < max(u.prompt_tokens for u in usage) + 3 * 100
 
 
+def test_a_sliding_window_model_reads_a_system_prompt_an_earlier_chat_left() -> None:
+    """Two chats one after the other with the same system prompt and different questions:
+    under Gemma's window a read must end at a point offered, and the end of the first
+    prompt is none for the second; the first offers its system block's end on the way, so
+    the second reads the system prompt and computes only its question."""
+    system = {"role": "system", "content": f"Count with me: {COUNT}."}
+    srv = _serve(None, "--n-ctx", "8192")
+    try:
+        with _client(srv) as c:
+
+            def ask(question: str) -> object:
+                return c.chat.completions.create(
+                    model=GEMMA, max_tokens=4, temperature=0,
+                    messages=[system, {"role": "user", "content": question}],  # type: ignore[list-item]
+                )  # fmt: skip
+
+            first = ask("What comes after the last number?")
+            second = ask("Which number is the largest?")
+    finally:
+        srv.stop()
+    assert first.usage.prompt_tokens_details.cached_tokens == 0  # type: ignore[attr-defined]
+    got = second.usage  # type: ignore[attr-defined]
+    assert got.prompt_tokens_details.cached_tokens >= got.prompt_tokens - 20 > 1_000
+
+
 def test_the_reproducible_lane_computes_every_prompt_itself() -> None:
     """The reproducible lane keeps no cache: its KV is one private stream per request (what
     makes it reproducible), and llama.cpp shares cells only within a stream (across

@@ -1097,6 +1097,30 @@ def test_a_request_sharing_the_start_of_a_prompt_being_computed_reads_that_start
 
 
 @pytest.mark.parametrize("window", [0, 8])
+def test_a_chat_offers_its_system_block_so_later_chats_behind_it_read_it(window: int) -> None:
+    """A chat's prompt is offered to the cache at its system block's end too (`offer_at`,
+    from the API), so a chat with the same system prompt and another question that comes
+    after the first has finished reads the system block — with a sliding window as well,
+    where a read must end at a point offered (the end of the first prompt is not one for
+    the second). Both outputs are what they are alone."""
+    d = Driver(
+        cfg(prefix_cache=True, max_cached_seqs=8, sliding_window=window), FakeEngine(window=window)
+    )
+    system = prompt(80, 6)
+    first = make_request("first", [*system, 1, 2, 3], 4)
+    first.offer_at = 80
+    d.add(first)
+    d.run()
+    second = make_request("second", [*system, 7, 8], 4)
+    second.offer_at = 80
+    d.add(second)
+    d.run()
+    assert second.num_cached == 80
+    d.assert_matches_reference("first")
+    d.assert_matches_reference("second")
+
+
+@pytest.mark.parametrize("window", [0, 8])
 def test_the_choices_of_one_request_compute_its_prompt_once(window: int) -> None:
     """`n` choices are requests with one prompt, queued together: it is computed once
     and each choice computes only the last token (its logits are each choice's own).
@@ -1168,12 +1192,14 @@ def test_random_cached_workload_matches_reference(seed: int, window: int) -> Non
         elif kind < 0.7:  # choices of one prompt
             p = rng.choice(heads) + [rng.randrange(1, 40) for _ in range(rng.randint(1, 8))]
             reqs = [make_request(f"r{n}.{k}", list(p), rng.randint(1, 6)) for k in range(3)]
-        else:  # a burst behind one head
+        else:  # a burst behind one head (a chat's system block: offered there)
             head = rng.choice(heads)
             reqs = [
                 make_request(f"r{n}.{k}", head + [rng.randrange(1, 40) for _ in range(3)], 3)
                 for k in range(3)
             ]
+            for r in reqs:
+                r.offer_at = len(head)
         for r in reqs:
             d.add(r)
         for _ in range(rng.randint(0, 8)):
