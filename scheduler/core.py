@@ -447,31 +447,37 @@ class Scheduler:
         tokens = req.prompt_ids[:n]
         if n == lease.length:
             return
-        if self.prefix.match(tokens) != lease.length:
-            # The cache holds more of this prompt than it read (another request's copy):
-            # it cannot be offered now. With a window, a pin keeps its last window for
-            # when the request finishes and its path joins the cache (`_keep_as_cache`).
-            if (
-                self.prefix.window
-                and req.pin is None
-                and self._num_holders < self.cfg.max_cached_seqs
-                and (self.pool.num_free_seqs > self.cfg.max_num_seqs - len(self.running))
-            ):  # (a free id: a pin that may come to nothing evicts nothing)
-                pin = self.pool.open()
-                self.pool.hold(pin, 0)
-                req.pin = (pin, n)
-                self._kv_ops.append(Share(req.seq_id, pin, self.prefix.reach(n), n))
-            return
-        if not self._holder_room():
-            return
-        holder = self.pool.open()
-        out = self.prefix.publish(tokens, req.seq_id, holder, lease)
-        assert out is not None
-        new_lease, ops = out
-        self.pool.shrink(req.seq_id, n - lease.length)
-        self.pool.hold(holder, n - lease.length)
-        req.lease, req.shared = new_lease, n
-        self._note_ops(ops)
+        if self._holder_room():
+            ids: list[int] = []
+
+            def new_id() -> int:
+                ids.append(self.pool.open())
+                return ids[-1]
+
+            out = self.prefix.publish(tokens, req.seq_id, lease, new_id)
+            if out is not None:
+                new_lease, given_up, ops = out
+                self.pool.shrink(req.seq_id, n - lease.length)
+                self.pool.hold(ids[0], n - lease.length - given_up)
+                req.lease, req.shared = new_lease, n
+                self._note_ops(ops)
+                # a pin from an offer that failed earlier may tag cells it just gave up
+                self._drop_pin(req)
+                return
+        # It cannot be offered now (with a window: the cache holds more of it than it read,
+        # in no intact copy). A pin keeps its last window for when the request finishes and
+        # its path joins the cache (`_keep_as_cache`).
+        if (
+            self.prefix.window
+            and req.pin is None
+            and self.prefix.match(tokens) > lease.length
+            and self._num_holders < self.cfg.max_cached_seqs
+            and (self.pool.num_free_seqs > self.cfg.max_num_seqs - len(self.running))
+        ):  # (a free id: a pin that may come to nothing evicts nothing)
+            pin = self.pool.open()
+            self.pool.hold(pin, 0)
+            req.pin = (pin, n)
+            self._kv_ops.append(Share(req.seq_id, pin, self.prefix.reach(n), n))
 
     @property
     def _num_holders(self) -> int:

@@ -31,7 +31,7 @@ holder's cells for its own last window (it then caches nothing).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from engine.step_types import KVOp, Release, Share, Trim
@@ -146,21 +146,38 @@ class PrefixIndex:
         if k == len(tokens):  # nothing new: every cell it holds beyond `shared` is a copy
             self._touch(node)
             return len(tokens) - shared, [Release(seq)]
-        src = None
+        ops: list[KVOp] = []
         if k > shared:  # it computed cached positions itself: it reads the tree's instead
-            # With a window, a read at the new leaf's end needs the cells after
-            # len - window: those taken from the tree must be in their holder's window.
-            need = max(shared, self.reach(len(tokens))) if self.window else k
-            if keep is not None:
-                need = min(need, max(shared, keep))
-            src = self._holder_covering(node, need, k) if need < k else self._holder_below(node)
-            if src is None:  # keep nothing rather than lend a broken prefix
+            got = self._take_tree_cells(node, seq, shared, k, len(tokens), keep)
+            if got is None:  # keep nothing rather than lend a broken prefix
                 return len(tokens) - shared, [Release(seq)]
+            ops += got
+        return k - shared, ops + self._add_leaf(node, off, tokens, k, seq)
+
+    def _take_tree_cells(
+        self, node: _Node, seq: int, shared: int, k: int, end: int, keep: int | None = None
+    ) -> list[KVOp] | None:
+        """`seq` gives up its own cells for positions [shared, k), which the tree holds
+        down to `node`, and tags the tree's instead; None when, with a window, no holder's
+        cells there are certainly intact where a read at `end` needs them (after
+        reach(end), or from `keep` on)."""
+        need = max(shared, self.reach(end)) if self.window else k
+        if keep is not None:
+            need = min(need, max(shared, keep))
+        src = self._holder_covering(node, need, k) if need < k else self._holder_below(node)
+        if src is None:
+            return None
+        return [Trim(seq, shared, k), Share(src, seq, shared, k)]
+
+    def _add_leaf(
+        self, node: _Node, off: int, tokens: Sequence[int], k: int, seq: int
+    ) -> list[KVOp]:
+        """`tokens[k:]` becomes a leaf below the point (`node`, `off`) that `tokens[:k]`
+        reaches, held by `seq`; a leaf that gets a child gives up its holder, which with a
+        window stays as the pin of its end."""
         ops: list[KVOp] = []
         if node is not self._root and off < len(node.tokens):
             node = self._split(node, off)
-        if src is not None:
-            ops += [Trim(seq, shared, k), Share(src, seq, shared, k)]
         if node is not self._root and not node.children:  # a leaf gets a child
             assert node.holder is not None
             if self.window and node.readable and node.pin is None:  # its holder pins its end
@@ -173,23 +190,36 @@ class PrefixIndex:
         node.children[tokens[k]] = leaf
         self.cells += len(leaf.tokens)
         self._touch(leaf)
-        return k - shared, ops
+        return ops
 
     def publish(
-        self, tokens: Sequence[int], seq: int, holder: int, lease: Lease
-    ) -> tuple[Lease, list[KVOp]] | None:
-        """A running sequence `seq`, which read `lease`, has computed `tokens` (its prompt):
-        `holder`, a fresh id, tags the same cells and holds them as a new leaf, so
-        requests arriving while `seq` decodes read them. `seq`'s lease moves to that leaf.
-        None (nothing changes) when the tree has nothing new from `seq`, or holds more of
-        `tokens` than `seq` read (its own cells there are not the tree's)."""
+        self, tokens: Sequence[int], seq: int, lease: Lease, new_id: Callable[[], int]
+    ) -> tuple[Lease, int, list[KVOp]] | None:
+        """A running sequence `seq`, which read `lease`, has computed `tokens` (its prompt,
+        or the part others wait for): a fresh holder (`new_id()`) tags the same cells and
+        holds them as a new leaf, so requests arriving while `seq` goes on read them, and
+        `seq`'s lease moves to that leaf. Where the tree already holds more of `tokens`
+        than `seq` read (another request computed that stretch too, if only a BOS token),
+        `seq` gives up its own copy for the tree's first (`_take_tree_cells`). Returns the
+        new lease, the cells `seq` gave up and the ops; None (nothing changes) when the
+        tree has nothing new from `seq`, or no intact copy of that stretch under a window."""
         n = len(tokens)
-        if n == lease.length or self.match(tokens) != lease.length:
+        node, off = self._walk(tokens)
+        k = node.start + off if node is not self._root else 0
+        if k == n:
             return None
-        given_up, ops = self.insert(tokens, holder, lease.length)
-        assert given_up == 0
+        ops: list[KVOp] = []
+        if k > lease.length:
+            got = self._take_tree_cells(node, seq, lease.length, k, n)
+            if got is None:
+                return None
+            ops += got
+        holder = new_id()
+        ops.append(Share(seq, holder, 0, n))
+        self._tick += 1
+        ops += self._add_leaf(node, off, tokens, k, holder)
         self.release(lease)
-        return self._lock(tokens, n), [Share(seq, holder, 0, n), *ops]
+        return self._lock(tokens, n), k - lease.length, ops
 
     def keeps(self, tokens: Sequence[int], shared: int, pos: int) -> bool:
         """Would `insert(tokens, …, shared, keep=pos)` find the cells it takes from the tree

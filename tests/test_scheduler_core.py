@@ -1071,6 +1071,28 @@ def test_requests_behind_one_prompt_compute_it_once(window: int) -> None:
 
 
 @pytest.mark.parametrize("window", [0, 8])
+def test_a_prompt_is_offered_though_the_cache_holds_its_first_tokens(window: int) -> None:
+    """Every prompt starts with BOS, so after any request the cache holds the first token of
+    the next: a prompt being offered gives up its own copy of what the cache holds and
+    tags the cache's, instead of not being offered at all — so a burst behind one system
+    prompt still computes it once after a warm-up request."""
+    d = Driver(
+        cfg(prefix_cache=True, max_cached_seqs=8, max_num_batched_tokens=64,
+            sliding_window=window),
+        FakeEngine(window=window),
+    )  # fmt: skip
+    bos = 2
+    d.add(make_request("warm-up", [bos, 9, 9, 9], 2))
+    d.run()
+    system = [bos, *prompt(100, 3)]
+    reqs = [d.add(make_request(f"q{i}", [*system, 1 + i, 2 + i], 4)) for i in range(4)]
+    d.run()
+    assert [r.num_cached for r in reqs] == [0 if window else 1, 101, 101, 101]
+    for r in reqs:
+        d.assert_matches_reference(r.req_id)
+
+
+@pytest.mark.parametrize("window", [0, 8])
 def test_a_request_sharing_the_start_of_a_prompt_being_computed_reads_that_start(
     window: int,
 ) -> None:
