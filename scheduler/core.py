@@ -274,7 +274,7 @@ class Scheduler:
             if n < 1:
                 break
             held = req.num_computed
-            free = self._free() - cached  # what it reads from the cache cannot be evicted
+            free = self._free() - self._unread(req, cached)  # what it reads stays
             if free - held - n < self.cfg.kv_watermark or held + n > free:
                 kv_blocked = True
                 break
@@ -350,6 +350,14 @@ class Scheduler:
         if self.prefix is None or not self._looks_up(req):
             return 0
         return self.prefix.readable(req.prompt_ids, req.num_prompt - 1)
+
+    def _unread(self, req: Request, cached: int) -> int:
+        """Of the `cached` prefix `req` would read, the cells nobody reads yet: evictable
+        now (room in `_free`), not once `req` reads them."""
+        if not cached:
+            return 0
+        assert self.prefix is not None
+        return self.prefix.unlocked(req.prompt_ids, cached)
 
     def _read_prefix(self, req: Request) -> None:
         assert self.prefix is not None and req.seq_id is not None
@@ -581,11 +589,17 @@ class Scheduler:
 
     def _short_of_kv(self, committed: int) -> bool:
         """KV pressure: the waiting requests need more cells than are left beside what the
-        running will still take (the unread prefix cache counts as room: it gives way)."""
-        room = self._free() - committed
+        running will still take (the unread prefix cache counts as room: it gives way).
+        What a waiting request would read from the cache it does not need again; the cells
+        it would read that nobody reads yet stop being room then (counted once: requests
+        behind one system prompt read the same cells)."""
+        room, read = self._free() - committed, 0
         for req in self.waiting:
-            room -= req.num_tokens + self.growth.cells(req.max_tokens - len(req.output_ids))
-            if room < 0:
+            cached = self._cached_prefix(req)
+            read = max(read, self._unread(req, cached))
+            room -= req.num_tokens - cached
+            room -= self.growth.cells(req.max_tokens - len(req.output_ids))
+            if room - read < 0:
                 return True
         return False
 

@@ -270,6 +270,17 @@ class PrefixIndex:
         self.cells -= freed
         return freed, ops
 
+    def unlocked(self, tokens: Sequence[int], n: int) -> int:
+        """Of the first `n` positions of `tokens` (a cached prefix), how many lie in nodes no
+        running request reads: cells that stop being evictable once a reader takes them."""
+        node, _ = self._walk(tokens[:n])
+        total = 0
+        while node is not self._root:
+            if node.refs == 0:
+                total += min(node.end, n) - node.start
+            node = node.parent  # type: ignore[assignment]
+        return total
+
     @property
     def evictable(self) -> int:
         """Cells no running request reads: what eviction could free (asked every step)."""

@@ -1281,6 +1281,32 @@ def test_the_prefix_cache_does_not_count_as_kv_pressure() -> None:
         d.assert_matches_reference(req_id)
 
 
+def test_what_waiting_requests_will_read_from_the_cache_is_not_kv_pressure() -> None:
+    """Where batching does not pay, requests the pool cannot hold together run one after
+    another; requests behind a cached prompt need only their own tokens (the cached cells
+    are read once, by all of them), so they run together."""
+    fake = FakeEngine(seconds_per_step=0.0, seconds_per_token=1e-3)  # compute-bound
+    d = Driver(
+        cfg(max_num_seqs=8, kv_capacity=200, max_num_batched_tokens=16, prefix_cache=True,
+            max_cached_seqs=4),
+        fake,
+    )  # fmt: skip
+    d.add(make_request("w0", prompt(3), 4))
+    d.add(make_request("w1", prompt(3, 1), 12))
+    d.run()  # the cost model learns that a step of two costs two steps of one
+    system = prompt(120, 9)
+    d.add(make_request("c", system, 2))
+    d.run()
+    reqs = [d.add(make_request(f"r{i}", [*system, 50 + i, *prompt(7, i)], 8)) for i in range(3)]
+    most = 0
+    while d.sched.has_work:
+        d.step()
+        most = max(most, len(d.sched.running))
+    assert most == 3 and [r.num_cached for r in reqs] == [120] * 3
+    for r in reqs:
+        d.assert_matches_reference(r.req_id)
+
+
 @pytest.mark.parametrize("window", [4, 16])
 def test_with_a_sliding_window_a_prompt_the_cache_could_not_take_is_pinned(window: int) -> None:
     """Two users open with one system prompt at once: the second's prompt cannot be offered
