@@ -499,7 +499,11 @@ class Scheduler:
         while self._num_holders >= self.cfg.max_cached_seqs:
             if not self._free_an_id():
                 return False
-        return self.pool.num_free_seqs > self.cfg.max_num_seqs - len(self.running)
+        # ids whose release is under way are free from the next step: for admissions,
+        # which may wait a step, they count; the holder needs one free now
+        pending = len(self._unhold_after) + len(self._unhold_ready)
+        free = self.pool.num_free_seqs
+        return free >= 1 and free - 1 + pending >= self.cfg.max_num_seqs - len(self.running)
 
     def _free_an_id(self) -> bool:
         """Give up the least useful holder id: a pin inside a path first (it only keeps

@@ -1093,6 +1093,28 @@ def test_a_prompt_is_offered_though_the_cache_holds_its_first_tokens(window: int
 
 
 @pytest.mark.parametrize("window", [0, 8])
+def test_a_burst_is_offered_its_shared_prompt_when_the_cache_holds_all_its_ids(window: int) -> None:
+    """The cache's sequence ids are all taken (by earlier conversations): offering a burst's
+    shared prompt gives up the least useful one, whose release takes a step, and still
+    offers it at once (a read must end at a point offered, under a window)."""
+    d = Driver(
+        cfg(prefix_cache=True, max_cached_seqs=2, max_num_seqs=4, max_num_batched_tokens=64,
+            sliding_window=window),
+        FakeEngine(window=window),
+    )  # fmt: skip
+    for i in range(2):
+        d.add(make_request(f"old{i}", prompt(30, 20 + i), 3))
+    d.run()
+    assert d.sched._num_holders == 2
+    system = prompt(100, 3)
+    reqs = [d.add(make_request(f"q{i}", [*system, 1 + i, 2 + i], 4)) for i in range(4)]
+    d.run()
+    assert [r.num_cached for r in reqs] == [0, 100, 100, 100]
+    for r in reqs:
+        d.assert_matches_reference(r.req_id)
+
+
+@pytest.mark.parametrize("window", [0, 8])
 def test_a_request_sharing_the_start_of_a_prompt_being_computed_reads_that_start(
     window: int,
 ) -> None:
