@@ -61,6 +61,9 @@ def _load(settings: ServerSettings) -> tuple[Model, list[Engine], Placement]:
             device_greedy=False, n_ubatch=max(settings.engine.n_ubatch, lanes.chunk),
         )  # fmt: skip
         engines.append(Engine(model, ctx, solo=True))
+    t0 = time.perf_counter()
+    _ = model.grammars.tokenizer  # (holds the GIL for a while: never while serving)
+    log.info("grammar tokenizer ready in %.1f s", time.perf_counter() - t0)
     return model, engines, placement
 
 

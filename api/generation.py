@@ -29,8 +29,9 @@ def _never(_token: int) -> bool:
 
 
 def sampling_params(
-    req: SamplingFields, *, logprobs: bool, top_logprobs: int, seed_offset: int = 0
-) -> SamplingParams:
+    req: SamplingFields, *, logprobs: bool, top_logprobs: int, seed_offset: int = 0,
+    grammar: str | None = None,
+) -> SamplingParams:  # fmt: skip
     return SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
@@ -42,6 +43,7 @@ def sampling_params(
         seed=None if req.seed is None else req.seed + seed_offset,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        grammar=grammar,
     )
 
 

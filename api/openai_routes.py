@@ -57,6 +57,7 @@ from api.schemas import (
     Usage,
 )
 from api.state import ServerState, server_state
+from api.structured import response_grammar
 from api.validation import chat_messages, check_stops, refuse_unsupported
 from engine.step_types import Sampled
 
@@ -187,14 +188,16 @@ async def chat_completions(request: Request) -> Response:
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     sub = Submission(state, rid, lane, client_of(request.scope))
     with sub.admission(req.n):
+        grammar = await response_grammar(state, req.response_format)
         prompt = await chat_prompt(state, messages, context_limit(state, lane))
         ids = prompt.ids
         asked = req.max_completion_tokens or req.max_tokens
         max_tokens = max_tokens_for(state, len(ids), asked, lane)
         for i in range(req.n):
             params = sampling_params(
-                req, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0, seed_offset=i
-            )
+                req, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0, seed_offset=i,
+                grammar=grammar,
+            )  # fmt: skip
             sub.add(
                 ids, params, max_tokens, stops, ignore_eos=req.ignore_eos,
                 cache_prompt=req.cache_prompt, offer_at=prompt.system_end,
@@ -269,13 +272,15 @@ async def completions(request: Request) -> Response:
     rid = f"cmpl-{uuid.uuid4().hex}"
     sub = Submission(state, rid, lane, client_of(request.scope))
     with sub.admission(n_prompts * req.n, "prompt" if n_prompts > 1 else "n"):
+        grammar = await response_grammar(state, req.response_format)
         prompts = await completion_prompts(state, req.prompt, context_limit(state, lane))
         limits = [max_tokens_for(state, len(p), req.max_tokens or 16, lane) for p in prompts]
         for ids, max_tokens in zip(prompts, limits, strict=True):
             for i in range(req.n):
                 params = sampling_params(
-                    req, logprobs=want_lp, top_logprobs=req.logprobs or 0, seed_offset=i
-                )
+                    req, logprobs=want_lp, top_logprobs=req.logprobs or 0, seed_offset=i,
+                    grammar=grammar,
+                )  # fmt: skip
                 sub.add(
                     ids, params, max_tokens, stops, ignore_eos=req.ignore_eos,
                     cache_prompt=req.cache_prompt,

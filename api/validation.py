@@ -1,9 +1,10 @@
 """Checks a decoded request must pass before any work is done for it.
 
-What the server does not implement is refused by name with a 400 — tools, structured
-output, logit bias, images … — because a client that sent them relies on them, and an
-answer that silently ignored them would look right and be wrong. Sizes are bounded here
-too, before rendering or tokenizing: the number of messages, stop strings.
+What the server does not implement is refused by name with a 400 — tools, vLLM's and
+llama.cpp's constrained-output fields, logit bias, images … — because a client that sent
+them relies on them, and an answer that silently ignored them would look right and be
+wrong. Sizes are bounded here too, before rendering or tokenizing: the number of
+messages, stop strings.
 """
 
 from __future__ import annotations
@@ -33,9 +34,6 @@ def refuse_unsupported(req: SamplingFields) -> None:
         raise _refuse("logit_bias", "token biases")
     if not _asks_nothing(req.min_tokens):
         raise _refuse("min_tokens", "a minimum length")
-    rf = req.response_format
-    if not (rf is None or (isinstance(rf, dict) and rf.get("type") == "text")):
-        raise _refuse("response_format", "structured output: only {'type': 'text'} is served")
     for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "grammar",
                  "json_schema"):  # fmt: skip
         if not _asks_nothing(getattr(req, name)):

@@ -36,3 +36,7 @@ def raise_for_decode(rc: int) -> None:
     if rc == -1:
         raise InvalidBatch("llama_decode rejected the batch")
     raise BackendError(f"llama_decode failed with code {rc}")
+
+
+class GrammarError(EngineError):
+    """A response format or tool schema that cannot be compiled into a grammar."""

@@ -7,6 +7,7 @@ incremental detokenization, end-of-generation tokens, the GGUF's chat template.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from engine.config import EngineConfig
 from engine.context import LLAMA_MAX_SEQ, Context
 from engine.errors import ModelLoadError
 from engine.expert_tap import ExpertTap
+from engine.grammar import Grammars
 from engine.placement import CpuOverrides
 
 log = logging.getLogger(__name__)
@@ -125,6 +127,32 @@ class Model:
 
     def is_eog(self, token: int) -> bool:
         return bool(self.ll.llama_vocab_is_eog(self.vocab, token))
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """Grammar compilation over this vocabulary (constrained output); a grammar ends
+        on any end-of-generation token."""
+        vocab = ctypes.cast(self.vocab, ctypes.c_void_p).value or 0
+        tokenize = ctypes.cast(self.ll._lib.llama_tokenize, ctypes.c_void_p).value or 0
+        return Grammars(vocab, tokenize, self._grammar_pieces, self._eog_ids)
+
+    def _eog_ids(self) -> list[int]:
+        return [t for t in range(self.n_vocab) if self.is_eog(t)]
+
+    def _grammar_pieces(self) -> list[bytes]:
+        """Every token's bytes as llguidance reads them: special tokens (CONTROL, and
+        USER_DEFINED ones written like `<tag>`) by name behind a 0xFF byte, so a grammar
+        can name them and text never matches them."""
+        ll, vocab = self.ll, self.vocab
+        control, user = ll.LLAMA_TOKEN_ATTR_CONTROL, ll.LLAMA_TOKEN_ATTR_USER_DEFINED
+        out = []
+        for t in range(self.n_vocab):
+            piece = self._render(t, special=True)
+            attr = ll.llama_vocab_get_attr(vocab, t)
+            if attr & control or (attr & user and piece[:1] == b"<" and piece[-1:] == b">"):
+                piece = b"\xff" + piece
+            out.append(piece)
+        return out
 
     def is_control(self, token: int) -> bool:
         """Whether llama.cpp matches this token by its text only when `parse_special` is set

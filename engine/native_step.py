@@ -37,6 +37,8 @@ class _Slots(ctypes.Structure):  # mirrors struct slot_params
         ("min_p", ctypes.c_void_p),
         ("temperature", ctypes.c_void_p),
         ("rng", ctypes.c_void_p),
+        ("masked", ctypes.c_void_p),
+        ("mask", ctypes.c_void_p),
     ]
 
 
@@ -54,6 +56,9 @@ class _Call(ctypes.Structure):  # mirrors struct step_call
         ("pool", ctypes.c_void_p),
         ("t_decoded", ctypes.c_double),
         ("t_sampled", ctypes.c_double),
+        ("mask_words", ctypes.c_int32),
+        ("mask_ready", ctypes.c_void_p),
+        ("t_masked", ctypes.c_double),
     ]
 
 
@@ -65,6 +70,7 @@ class NativeTimes:
     decode_s: float
     sample_s: float
     gil_s: float
+    mask_wait_s: float = 0.0  # after decoding, for the masks of constrained sequences
 
 
 def seed_state(seed: int | None, skip: int = 0) -> int:
@@ -99,12 +105,19 @@ class NativeStep:
         self._lib.onegpu_close.argtypes = (ptr,)
         self._lib.onegpu_scratch_floats.restype = ctypes.c_int64
         self._lib.onegpu_scratch_floats.argtypes = [ctypes.c_int32]
+        self._lib.onegpu_mask_ready.restype = None
+        self._lib.onegpu_mask_ready.argtypes = (ptr,)
         self.mode = np.zeros(n_slots, dtype=np.int32)
         self.top_k = np.zeros(n_slots, dtype=np.int32)
         self.top_p = np.ones(n_slots, dtype=np.float32)
         self.min_p = np.zeros(n_slots, dtype=np.float32)
         self.temperature = np.ones(n_slots, dtype=np.float32)
         self.rng = np.zeros(n_slots, dtype=np.uint64)
+        # Token masks of constrained sequences (engine.grammar), one row per slot; pages of
+        # rows never written are never resident.
+        self.masked = np.zeros(n_slots, dtype=np.int32)
+        self.mask = np.zeros((n_slots, (n_vocab + 31) // 32), dtype=np.uint32)
+        self._ready = np.ones(1, dtype=np.int32)
         threads = max(1, min(n_threads, MAX_THREADS))
         # Untouched pages of np.zeros are not resident: threads that never run cost nothing.
         self._scratch = np.zeros(
@@ -127,6 +140,8 @@ class NativeStep:
         )
         s.min_p, s.temperature = self.min_p.ctypes.data, self.temperature.ctypes.data
         s.rng = self.rng.ctypes.data
+        s.masked, s.mask = self.masked.ctypes.data, self.mask.ctypes.data
+        c.mask_words, c.mask_ready = self.mask.shape[1], self._ready.ctypes.data
         c.n_vocab, c.n_threads, c.scratch = n_vocab, threads, self._scratch.ctypes.data
         self._ptr = ctypes.addressof(c)
 
@@ -142,6 +157,15 @@ class NativeStep:
 
     def clear_slot(self, slot: int) -> None:
         self.mode[slot] = ROW_PYTHON
+        self.masked[slot] = 0
+
+    def masks_pending(self) -> None:
+        """This step's masks are being written (by another thread): the step waits for
+        `masks_ready` between decoding and sampling."""
+        self._ready[0] = 0
+
+    def masks_ready(self) -> None:
+        self._lib.onegpu_mask_ready(self._ready.ctypes.data)
 
     def decode_sample(self, slots: list[int]) -> tuple[int, NativeTimes]:
         """Decode the bound batch and sample one row per entry of `slots` (row order) into
@@ -154,8 +178,8 @@ class NativeStep:
         t1 = time.perf_counter()  # CLOCK_MONOTONIC, as the C side's clock_gettime
         c = self._call
         return rc, NativeTimes(
-            decode_s=c.t_decoded - t0, sample_s=c.t_sampled - c.t_decoded,
-            gil_s=max(0.0, t1 - c.t_sampled),
+            decode_s=c.t_decoded - t0, sample_s=c.t_sampled - c.t_masked,
+            gil_s=max(0.0, t1 - c.t_sampled), mask_wait_s=max(0.0, c.t_masked - c.t_decoded),
         )  # fmt: skip
 
     def close(self) -> None:

@@ -62,8 +62,9 @@ class Engine:
             ll, self._ctx, self._batch, self.context.n_slots, model.n_vocab, threads
         )
         self.sampler = SamplerBank(
-            ll, self._ctx, model.n_vocab, self.native, threads, self.context.device_greedy
-        )
+            ll, self._ctx, model.n_vocab, self.native, threads, self.context.device_greedy,
+            model.grammars,
+        )  # fmt: skip
         self.swap = SwapStore(ll, self._ctx)
 
     def step(self, batch: StepBatch) -> StepResult:
@@ -179,8 +180,11 @@ class Engine:
         if tap is not None:
             tap.before_decode()
         t0 = time.perf_counter()
+        self.sampler.prepare(want)  # constrained sequences' masks, written while it decodes
         # Decode, wait for the device (so decode_s is the compute), sample: one native call.
         rc, times = self.native.decode_sample([seq_id for seq_id, _ in want])
+        if rc != 0:
+            self.sampler.abandon()
         raise_for_decode(rc)
         t1 = time.perf_counter()
         sampled = self.sampler.finish(want, self.native.out)

@@ -6,8 +6,15 @@ a per-request random state), inside the same ctypes call as `llama_decode`. Requ
 penalties run their own llama.cpp chain, one per sequence, spread over worker threads (a
 chain over a 150K-260K vocabulary costs ~0.5 ms of CPU, ctypes releases the GIL for the
 call). Plain greedy requests may instead be sampled on the device when the context
-carries device greedy chains (`engine.context`). Logprobs always come from the raw
-logits row (log-softmax), as OpenAI reports the model's own distribution.
+carries device greedy chains (`engine.context`). Logprobs come from the logits row
+(log-softmax), as OpenAI reports the model's own distribution.
+
+Constrained sequences (`SamplingParams.grammar`) have a matcher each (`engine.grammar`):
+`prepare` writes their rows of token masks on a worker thread while `llama_decode` runs
+(the matcher releases the GIL; the native step waits for them after decoding), the
+native step sets disallowed logits to -inf in place before anything samples the row, and
+`finish` gives each matcher its sampled token. Their logprobs are therefore over the
+allowed tokens (vLLM does the same).
 """
 
 from __future__ import annotations
@@ -17,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.errors import BackendError
+from engine.errors import BackendError, GrammarError
+from engine.grammar import Constraint, Grammars
 from engine.native_step import ROW_GREEDY, ROW_PYTHON, NativeStep, native_mode
 from engine.step_types import Sampled, SamplingParams, SeqStart
 
@@ -31,9 +39,13 @@ class SamplerBank:
 
     def __init__(
         self, ll: Any, ctx: Any, n_vocab: int, native: NativeStep, n_threads: int = 1,
-        device_greedy: bool = False,
+        device_greedy: bool = False, grammars: Grammars | None = None,
     ) -> None:  # fmt: skip
         self.ll = ll
+        self.grammars = grammars
+        self._constraints: dict[int, Constraint] = {}
+        self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="masks")
+        self._masks: Any = None  # this step's mask job (a future), if any
         self.native = native
         self.ctx = ctx
         self.n_vocab = n_vocab
@@ -51,7 +63,14 @@ class SamplerBank:
         p = s.params
         self._params[s.seq_id] = p
         mode = native_mode(p)
-        if mode == ROW_GREEDY and self.device_greedy and not p.logprobs:
+        if p.grammar is not None:
+            if self.grammars is None:
+                raise GrammarError("this engine has no grammar support")
+            c = self.grammars.constraint(p.grammar)
+            c.consume(s.history)  # a restarted sequence goes on where it was
+            self._constraints[s.seq_id] = c
+            self.native.masked[s.seq_id] = 1
+        elif mode == ROW_GREEDY and self.device_greedy and not p.logprobs:
             self._on_device.add(s.seq_id)
             return True
         # A restarted sequence skips the draws its tokens took: a seeded request goes on
@@ -65,6 +84,7 @@ class SamplerBank:
         return False
 
     def release(self, seq_id: int) -> None:
+        self._constraints.pop(seq_id, None)
         self._on_device.discard(seq_id)
         self.native.clear_slot(seq_id)
         chain = self._chains.pop(seq_id, None)
@@ -75,8 +95,34 @@ class SamplerBank:
     def close(self) -> None:
         for seq_id in list(self._chains):
             self.release(seq_id)
+        self._constraints.clear()
+        self._mask_thread.shutdown()
         if self._pool is not None:
             self._pool.shutdown()
+
+    def prepare(self, want: list[tuple[int, int]]) -> None:
+        """Before the step's native call: start writing the masks of the constrained
+        sequences it samples, on the mask thread (the native step waits for them after
+        decoding, so they cost nothing while they take less than the decode)."""
+        rows = [(seq_id, c) for seq_id, _ in want if (c := self._constraints.get(seq_id))]
+        if not rows:
+            return
+        self.native.masks_pending()
+        self._masks = self._mask_thread.submit(self._fill, rows)
+
+    def abandon(self) -> None:
+        """The step failed before sampling: let its mask job finish (it must not mark the
+        next step's masks ready)."""
+        if self._masks is not None:
+            job, self._masks = self._masks, None
+            job.exception()  # waits; the step's failure is what gets reported
+
+    def _fill(self, rows: list[tuple[int, Constraint]]) -> None:
+        try:
+            for seq_id, c in rows:
+                c.fill(self.native.mask[seq_id])
+        finally:
+            self.native.masks_ready()  # never leave the step waiting
 
     def _build(self, p: SamplingParams) -> Any:
         ll = self.ll
@@ -117,6 +163,9 @@ class SamplerBank:
         llama.cpp keeps output rows in batch order, so row j of `llama_get_logits` belongs
         to want[j].
         """
+        if self._masks is not None:
+            job, self._masks = self._masks, None
+            job.result()  # the step waited for it: done; raises what it raised
         if not want:
             return {}
         tokens: list[int] = native_out[: len(want)].tolist()
@@ -140,6 +189,10 @@ class SamplerBank:
                 picks = [self._sample_chain(job) for _, job in jobs]
             for (j, _), tok in zip(jobs, picks, strict=True):
                 tokens[j] = tok
+        for j, (seq_id, _) in enumerate(want):
+            c = self._constraints.get(seq_id)
+            if c is not None:
+                c.consume([tokens[j]])
         out: dict[int, Sampled] = {}
         for j, (seq_id, _) in enumerate(want):
             p = params[seq_id]
@@ -169,5 +222,6 @@ def _with_logprobs(token: int, row: np.ndarray, k: int) -> Sampled:
     if k > 0:
         idx = np.argpartition(-x, k - 1)[:k]
         idx = idx[np.argsort(-x[idx], kind="stable")]
-        top = [(int(i), float(x[i] - lse)) for i in idx]
+        # (a constrained row's disallowed tokens are -inf: never among the likely ones)
+        top = [(int(i), float(x[i] - lse)) for i in idx if np.isfinite(x[i])]
     return Sampled(token, float(x[token] - lse), top)

@@ -23,6 +23,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    grammar: str | None = None  # constrained output (engine.grammar): the compiled grammar
 
     @property
     def is_greedy(self) -> bool:

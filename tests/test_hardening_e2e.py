@@ -189,8 +189,10 @@ NOT_SERVED = [
     (CHAT, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
      "tools"),
     (CHAT, {"tool_choice": "required"}, "tool_choice"),
-    (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
-    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+    # (served, but these ask for what no grammar can be: refused the same way)
+    (CHAT, {"response_format": {"type": "xml"}}, "response_format"),
+    (CHAT, {"response_format": {"type": "json_schema",
+                                "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
      "response_format"),
     (CHAT, {"logit_bias": {"17": 5}}, "logit_bias"),
     (CHAT, {"min_tokens": 3}, "min_tokens"),

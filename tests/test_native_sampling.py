@@ -172,3 +172,31 @@ def test_threads_do_not_change_a_token() -> None:
     finally:
         four.close()
         four.close()  # twice is harmless
+
+
+@pytest.mark.parametrize("n_vocab", [40, 1000, 262_144])
+def test_a_masked_row_samples_only_allowed_tokens(n_vocab: int) -> None:
+    """A constrained slot's mask (bit t % 32 of word t // 32: token t allowed) applies to
+    its row before any sampling: greedy is the argmax over the allowed tokens, draws come
+    only from them; an unmasked slot in the same call samples its whole row."""
+    ns = _native(n_vocab)
+    rng = np.random.default_rng(n_vocab)
+    allowed = rng.random(n_vocab) < 0.01
+    allowed[rng.integers(n_vocab)] = True  # at least one
+    bits = np.zeros(ns.mask.shape[1] * 32, dtype=bool)
+    bits[:n_vocab] = allowed
+    row = np.packbits(bits.reshape(-1, 32)[:, ::-1], axis=1).view(">u4").astype(np.uint32)
+    x = rng.standard_normal((SLOTS, n_vocab)).astype(np.float32)
+    x[:, ~allowed] += 100.0  # what the grammar forbids is what the model likes best
+    for s in range(SLOTS):
+        mode = ROW_GREEDY if s % 2 == 0 else ROW_SAMPLE
+        ns.set_slot(s, SamplingParams(temperature=0.0 if s % 2 == 0 else 1.0, seed=s), mode)
+        if s < SLOTS - 2:
+            ns.mask[s] = row[:, 0]
+            ns.masked[s] = 1
+    got = ns.sample(x, list(range(SLOTS)))
+    masked_best = np.where(allowed, x, -np.inf).argmax(axis=1)
+    for s in range(0, SLOTS - 2, 2):
+        assert got[s] == masked_best[s]
+    assert allowed[got[: SLOTS - 2]].all()
+    assert not allowed[got[SLOTS - 2]] and got[SLOTS - 2] == x[SLOTS - 2].argmax()

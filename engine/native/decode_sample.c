@@ -17,11 +17,18 @@
  * splitmix64 counter, one draw per token, so a seeded request's tokens depend on nothing
  * but its own logits, and skipping n draws is adding n * GAMMA to the state.
  *
+ * Constrained sequences (a JSON schema, a tool call) come with a token bitmask per slot,
+ * written by a Python thread while llama_decode runs (engine/sampling.py): after the
+ * device finishes, the step waits for `mask_ready`, then every masked row has its
+ * disallowed logits set to -inf in place, so whatever reads the row next (these scans,
+ * a llama.cpp chain, the logprobs) sees only allowed tokens.
+ *
  * No link dependency: the llama.cpp functions come in as pointers from Python, taken from
  * the libllama llama-cpp-python already loaded (engine/native_step.py).
  */
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -52,6 +59,8 @@ struct slot_params {
     float *min_p; /* 0 = off */
     float *temperature; /* > 0 for ROW_SAMPLE */
     uint64_t *rng; /* splitmix64 state, advanced once per sampled token */
+    int32_t *masked; /* 1: the slot's row of `mask` applies to its logits */
+    const uint32_t *mask; /* n_slots rows of mask_words: bit t%32 of word t/32 = allowed */
 };
 
 struct step_call {
@@ -67,6 +76,9 @@ struct step_call {
     void *pool; /* sampling threads, started on first use; NULL until then */
     double t_decoded; /* CLOCK_MONOTONIC seconds: the device finished the graph */
     double t_sampled; /* ... every native row was sampled */
+    int32_t mask_words;
+    int32_t *mask_ready; /* set to 1 (release) once this step's masks are written */
+    double t_masked; /* ... the masks were ready */
 };
 
 #define BLOCK 128
@@ -458,14 +470,28 @@ struct job {
     float *scratch;
 };
 
+/* Disallowed tokens' logits to -inf (words of all ones, the common case in free text
+ * inside a constrained answer, are skipped whole). */
+static void apply_mask(float *x, int32_t n, const uint32_t *m) {
+    for (int32_t w = 0; w * 32 < n; w++) {
+        uint32_t bits = m[w];
+        if (bits == 0xFFFFFFFFu) continue;
+        int32_t end = w * 32 + 32 < n ? w * 32 + 32 : n;
+        for (int32_t i = w * 32; i < end; i++)
+            if (!((bits >> (i & 31)) & 1u)) x[i] = -INFINITY;
+    }
+}
+
 static void *sample_rows(void *arg) {
     const struct job *j = (const struct job *) arg;
     const struct slot_params *s = &j->call->slots;
     int32_t v = j->call->n_vocab;
     for (int32_t r = j->r0; r < j->r1; r++) {
         int32_t slot = j->row_slot[r];
-        const float *x = j->logits + (int64_t) r * v;
+        float *x = (float *) j->logits + (int64_t) r * v;
         float *bm = j->scratch + 3 * (int64_t) v;
+        if (s->masked != NULL && s->masked[slot])
+            apply_mask(x, v, s->mask + (int64_t) slot * j->call->mask_words);
         switch (s->mode[slot]) {
         case ROW_GREEDY:
             j->out[r] = argmax(x, v, bm);
@@ -589,11 +615,14 @@ int32_t onegpu_decode_sample(struct step_call *c, int32_t n_rows, const int32_t 
                              int32_t *out) {
     int32_t rc = c->decode(c->ctx, *c->batch);
     if (rc != 0) {
-        c->t_decoded = c->t_sampled = now();
+        c->t_decoded = c->t_masked = c->t_sampled = now();
         return rc;
     }
     c->sync(c->ctx);
     c->t_decoded = now();
+    if (c->mask_ready != NULL)
+        while (!__atomic_load_n(c->mask_ready, __ATOMIC_ACQUIRE)) sched_yield();
+    c->t_masked = now();
     if (n_rows > 0) sample_all(c, c->get_logits(c->ctx), n_rows, row_slot, out);
     c->t_sampled = now();
     return 0;
@@ -604,6 +633,9 @@ void onegpu_sample(struct step_call *c, const float *logits, int32_t n_rows,
                    const int32_t *row_slot, int32_t *out) {
     sample_all(c, logits, n_rows, row_slot, out);
 }
+
+/* The mask writer's store: every mask word before it is visible to the step after it. */
+void onegpu_mask_ready(int32_t *flag) { __atomic_store_n(flag, 1, __ATOMIC_RELEASE); }
 
 /* Floats of scratch one sampling thread needs for a vocabulary of n_vocab. */
 int64_t onegpu_scratch_floats(int32_t n_vocab) { return SCRATCH(n_vocab); }
