@@ -30,7 +30,8 @@ def _never(_token: int) -> bool:
 
 def sampling_params(
     req: SamplingFields, *, logprobs: bool, top_logprobs: int, seed_offset: int = 0,
-    grammar: str | None = None,
+    grammar: str | None = None, logit_bias: tuple[tuple[int, float], ...] = (),
+    min_tokens: int = 0,
 ) -> SamplingParams:  # fmt: skip
     return SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -44,6 +45,8 @@ def sampling_params(
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         grammar=grammar,
+        logit_bias=logit_bias,
+        min_tokens=min_tokens,
     )
 
 

@@ -58,7 +58,13 @@ from api.schemas import (
 )
 from api.state import ServerState, server_state
 from api.structured import response_grammar
-from api.validation import chat_messages, check_stops, refuse_unsupported
+from api.validation import (
+    chat_messages,
+    check_stops,
+    logit_bias,
+    min_tokens,
+    refuse_unsupported,
+)
 from engine.step_types import Sampled
 
 DONE = b"data: [DONE]\n\n"
@@ -193,10 +199,11 @@ async def chat_completions(request: Request) -> Response:
         ids = prompt.ids
         asked = req.max_completion_tokens or req.max_tokens
         max_tokens = max_tokens_for(state, len(ids), asked, lane)
+        bias, least = logit_bias(req, state.model.n_vocab), min_tokens(req, asked)
         for i in range(req.n):
             params = sampling_params(
                 req, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0, seed_offset=i,
-                grammar=grammar,
+                grammar=grammar, logit_bias=bias, min_tokens=least,
             )  # fmt: skip
             sub.add(
                 ids, params, max_tokens, stops, ignore_eos=req.ignore_eos,
@@ -275,11 +282,12 @@ async def completions(request: Request) -> Response:
         grammar = await response_grammar(state, req.response_format)
         prompts = await completion_prompts(state, req.prompt, context_limit(state, lane))
         limits = [max_tokens_for(state, len(p), req.max_tokens or 16, lane) for p in prompts]
+        bias, least = logit_bias(req, state.model.n_vocab), min_tokens(req, req.max_tokens or 16)
         for ids, max_tokens in zip(prompts, limits, strict=True):
             for i in range(req.n):
                 params = sampling_params(
                     req, logprobs=want_lp, top_logprobs=req.logprobs or 0, seed_offset=i,
-                    grammar=grammar,
+                    grammar=grammar, logit_bias=bias, min_tokens=least,
                 )  # fmt: skip
                 sub.add(
                     ids, params, max_tokens, stops, ignore_eos=req.ignore_eos,

@@ -13,6 +13,7 @@ from typing import Any
 
 from api.errors import InvalidRequest, Unsupported
 from api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from engine.native_step import MAX_BIAS
 
 # role -> the role the chat template sees ("developer" is OpenAI's newer name for system)
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -30,10 +31,6 @@ def _refuse(field: str, what: str) -> Unsupported:
 
 def refuse_unsupported(req: SamplingFields) -> None:
     """A 400 naming the first field that asks for something not served yet."""
-    if not _asks_nothing(req.logit_bias):
-        raise _refuse("logit_bias", "token biases")
-    if not _asks_nothing(req.min_tokens):
-        raise _refuse("min_tokens", "a minimum length")
     for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "grammar",
                  "json_schema"):  # fmt: skip
         if not _asks_nothing(getattr(req, name)):
@@ -109,3 +106,46 @@ def check_stops(stops: tuple[str, ...]) -> None:
             raise InvalidRequest(
                 f"a stop string may have at most {MAX_STOP_CHARS} characters", param=f"stop[{i}]"
             )
+
+
+def logit_bias(req: SamplingFields, n_vocab: int) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` as (token, bias) pairs: keys are token ids of this model's vocabulary
+    (as strings, JSON's object keys), values are clamped to [-100, 100] as OpenAI does."""
+    raw = req.logit_bias
+    if _asks_nothing(raw):
+        return ()
+    if not isinstance(raw, dict):
+        raise InvalidRequest("logit_bias must map token ids to numbers", param="logit_bias")
+    if len(raw) > MAX_BIAS:
+        raise InvalidRequest(f"logit_bias: at most {MAX_BIAS} tokens", param="logit_bias")
+    out = []
+    for key, value in raw.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise InvalidRequest(
+                f"logit_bias key {key!r} is not a token id", param="logit_bias"
+            ) from None
+        if not 0 <= token < n_vocab:
+            raise InvalidRequest(
+                f"logit_bias token {token} is not in the vocabulary (0..{n_vocab - 1})",
+                param="logit_bias",
+            )
+        if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+            raise InvalidRequest(f"logit_bias value for {key!r} must be a number",
+                                 param="logit_bias")  # fmt: skip
+        out.append((token, float(min(100.0, max(-100.0, value)))))
+    return tuple(out)
+
+
+def min_tokens(req: SamplingFields, max_tokens: int | None) -> int:
+    """`min_tokens` (vLLM's): end-of-generation tokens are not sampled before this many."""
+    n = req.min_tokens
+    if _asks_nothing(n):
+        return 0
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise InvalidRequest("min_tokens must be a non-negative integer", param="min_tokens")
+    if max_tokens is not None and n > max_tokens:
+        raise InvalidRequest(f"min_tokens ({n}) is more than max_tokens ({max_tokens})",
+                             param="min_tokens")  # fmt: skip
+    return n

@@ -134,9 +134,11 @@ class Model:
         on any end-of-generation token."""
         vocab = ctypes.cast(self.vocab, ctypes.c_void_p).value or 0
         tokenize = ctypes.cast(self.ll._lib.llama_tokenize, ctypes.c_void_p).value or 0
-        return Grammars(vocab, tokenize, self._grammar_pieces, self._eog_ids)
+        return Grammars(vocab, tokenize, self._grammar_pieces, lambda: self.eog_ids)
 
-    def _eog_ids(self) -> list[int]:
+    @functools.cached_property
+    def eog_ids(self) -> list[int]:
+        """Every end-of-generation token (EOS, EOT, <end_of_turn> …)."""
         return [t for t in range(self.n_vocab) if self.is_eog(t)]
 
     def _grammar_pieces(self) -> list[bytes]:

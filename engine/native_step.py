@@ -27,6 +27,7 @@ LIBRARY = Path(__file__).parent / "native" / "libdecode_sample.so"
 ROW_PYTHON, ROW_GREEDY, ROW_SAMPLE = 0, 1, 2
 _GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment: one draw advances the state by it
 MAX_THREADS = 8  # sampling threads; past this the logits' memory bandwidth is the limit
+MAX_BIAS = 1024  # logit_bias entries a request may have (decode_sample.c's MAX_BIAS)
 
 
 class _Slots(ctypes.Structure):  # mirrors struct slot_params
@@ -39,6 +40,10 @@ class _Slots(ctypes.Structure):  # mirrors struct slot_params
         ("rng", ctypes.c_void_p),
         ("masked", ctypes.c_void_p),
         ("mask", ctypes.c_void_p),
+        ("bias_n", ctypes.c_void_p),
+        ("bias_id", ctypes.c_void_p),
+        ("bias_val", ctypes.c_void_p),
+        ("ban_eog", ctypes.c_void_p),
     ]
 
 
@@ -59,6 +64,8 @@ class _Call(ctypes.Structure):  # mirrors struct step_call
         ("mask_words", ctypes.c_int32),
         ("mask_ready", ctypes.c_void_p),
         ("t_masked", ctypes.c_double),
+        ("n_eog", ctypes.c_int32),
+        ("eog", ctypes.c_void_p),
     ]
 
 
@@ -118,6 +125,11 @@ class NativeStep:
         self.masked = np.zeros(n_slots, dtype=np.int32)
         self.mask = np.zeros((n_slots, (n_vocab + 31) // 32), dtype=np.uint32)
         self._ready = np.ones(1, dtype=np.int32)
+        self.bias_n = np.zeros(n_slots, dtype=np.int32)
+        self.bias_id = np.zeros((n_slots, MAX_BIAS), dtype=np.int32)
+        self.bias_val = np.zeros((n_slots, MAX_BIAS), dtype=np.float32)
+        self.ban_eog = np.zeros(n_slots, dtype=np.int32)
+        self._eog = np.zeros(0, dtype=np.int32)
         threads = max(1, min(n_threads, MAX_THREADS))
         # Untouched pages of np.zeros are not resident: threads that never run cost nothing.
         self._scratch = np.zeros(
@@ -141,6 +153,8 @@ class NativeStep:
         s.min_p, s.temperature = self.min_p.ctypes.data, self.temperature.ctypes.data
         s.rng = self.rng.ctypes.data
         s.masked, s.mask = self.masked.ctypes.data, self.mask.ctypes.data
+        s.bias_n, s.bias_id = self.bias_n.ctypes.data, self.bias_id.ctypes.data
+        s.bias_val, s.ban_eog = self.bias_val.ctypes.data, self.ban_eog.ctypes.data
         c.mask_words, c.mask_ready = self.mask.shape[1], self._ready.ctypes.data
         c.n_vocab, c.n_threads, c.scratch = n_vocab, threads, self._scratch.ctypes.data
         self._ptr = ctypes.addressof(c)
@@ -154,10 +168,23 @@ class NativeStep:
         self.temperature[slot] = p.temperature if p.temperature > 0 else 1.0
         if mode == ROW_SAMPLE:  # only draws need a state (no urandom per greedy request)
             self.rng[slot] = seed_state(p.seed, skip)
+        n = len(p.logit_bias)
+        self.bias_n[slot] = n
+        if n:
+            self.bias_id[slot, :n] = [t for t, _ in p.logit_bias]
+            self.bias_val[slot, :n] = [b for _, b in p.logit_bias]
+        self.ban_eog[slot] = int(skip < p.min_tokens)
 
     def clear_slot(self, slot: int) -> None:
         self.mode[slot] = ROW_PYTHON
         self.masked[slot] = 0
+        self.bias_n[slot] = 0
+        self.ban_eog[slot] = 0
+
+    def set_eog(self, tokens: list[int]) -> None:
+        """The vocabulary's end-of-generation tokens (banned while min_tokens is not met)."""
+        self._eog = np.array(tokens, dtype=np.int32)
+        self._call.n_eog, self._call.eog = len(tokens), self._eog.ctypes.data
 
     def masks_pending(self) -> None:
         """This step's masks are being written (by another thread): the step waits for
@@ -188,7 +215,7 @@ class NativeStep:
 
     def sample(self, logits: np.ndarray, slots: list[int]) -> np.ndarray:
         """Sample rows of a [rows, n_vocab] float32 matrix (tests and benchmarks)."""
-        x = np.ascontiguousarray(logits, dtype=np.float32)
+        x = np.array(logits, dtype=np.float32, order="C")  # a copy: rows change in place
         n = len(slots)
         self._rows[:n] = slots
         out = np.zeros(n, dtype=np.int32)

@@ -61,6 +61,7 @@ class Engine:
         self.native = NativeStep(
             ll, self._ctx, self._batch, self.context.n_slots, model.n_vocab, threads
         )
+        self.native.set_eog(model.eog_ids)
         self.sampler = SamplerBank(
             ll, self._ctx, model.n_vocab, self.native, threads, self.context.device_greedy,
             model.grammars,

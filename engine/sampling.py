@@ -44,6 +44,7 @@ class SamplerBank:
         self.ll = ll
         self.grammars = grammars
         self._constraints: dict[int, Constraint] = {}
+        self._min_left: dict[int, int] = {}  # tokens until end tokens are allowed
         self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="masks")
         self._masks: Any = None  # this step's mask job (a future), if any
         self.native = native
@@ -70,12 +71,14 @@ class SamplerBank:
             c.consume(s.history)  # a restarted sequence goes on where it was
             self._constraints[s.seq_id] = c
             self.native.masked[s.seq_id] = 1
-        elif mode == ROW_GREEDY and self.device_greedy and not p.logprobs:
+        elif mode == ROW_GREEDY and self.device_greedy and not p.logprobs and not p.needs_host_row:
             self._on_device.add(s.seq_id)
             return True
         # A restarted sequence skips the draws its tokens took: a seeded request goes on
         # as if it had never been preempted.
         self.native.set_slot(s.seq_id, p, mode, skip=len(s.history))
+        if len(s.history) < p.min_tokens:
+            self._min_left[s.seq_id] = p.min_tokens - len(s.history)
         if mode == ROW_PYTHON:
             chain = self._build(p)
             for tok in s.history:
@@ -85,6 +88,7 @@ class SamplerBank:
 
     def release(self, seq_id: int) -> None:
         self._constraints.pop(seq_id, None)
+        self._min_left.pop(seq_id, None)
         self._on_device.discard(seq_id)
         self.native.clear_slot(seq_id)
         chain = self._chains.pop(seq_id, None)
@@ -193,6 +197,14 @@ class SamplerBank:
             c = self._constraints.get(seq_id)
             if c is not None:
                 c.consume([tokens[j]])
+            left = self._min_left.get(seq_id)
+            if left is not None:
+                # (a grammar that is complete allows only end tokens: it wins)
+                if left <= 1 or (c is not None and c.done):
+                    del self._min_left[seq_id]
+                    self.native.ban_eog[seq_id] = 0
+                else:
+                    self._min_left[seq_id] = left - 1
         out: dict[int, Sampled] = {}
         for j, (seq_id, _) in enumerate(want):
             p = params[seq_id]

@@ -24,6 +24,13 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     grammar: str | None = None  # constrained output (engine.grammar): the compiled grammar
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit)
+    min_tokens: int = 0  # end-of-generation tokens are not sampled before this many
+
+    @property
+    def needs_host_row(self) -> bool:
+        """Its row is changed before sampling (bias, banned end, mask): never on the device."""
+        return bool(self.grammar is not None or self.logit_bias or self.min_tokens)
 
     @property
     def is_greedy(self) -> bool:

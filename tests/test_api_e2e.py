@@ -18,6 +18,8 @@ from openai.types import Completion
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.server_proc import Server
+from engine.default_model import default_model_path
+from engine.gguf_header import read_header
 from tests.conftest import MODEL
 
 pytestmark = pytest.mark.e2e
@@ -556,3 +558,39 @@ def test_disconnect_during_a_long_prefill_stops_it_and_frees_its_kv(server: Serv
     computed = after["onegpu_step_prompt_tokens_sum"] - before["onegpu_step_prompt_tokens_sum"]
     assert 0 < computed < 4000, "the prefill stopped long before the prompt's end"
     assert after["onegpu_prompt_tokens_total"] == before["onegpu_prompt_tokens_total"]
+
+
+def _token_ids(choice: Any) -> list[int]:
+    """A completion choice's tokens as ids (`return_tokens_as_token_ids` names them
+    `token_id:<id>`)."""
+    return [int(t.split(":")[1]) for t in choice.logprobs.tokens]
+
+
+def test_logit_bias_makes_and_bans_greedy_picks(server: Server) -> None:
+    """+100 on a token makes it every greedy pick; -100 on the greedy first token makes
+    the first pick another one; values past ±100 are clamped, not refused."""
+    c = client(server)
+    kw: dict[str, Any] = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0,
+                          "logprobs": 1}  # fmt: skip
+    ids = {"return_tokens_as_token_ids": True, "cache_prompt": False}
+    free = _token_ids(c.completions.create(**kw, extra_body=ids).choices[0])
+    forced = c.completions.create(**kw, extra_body={**ids, "logit_bias": {"1234": 250}})
+    assert _token_ids(forced.choices[0]) == [1234] * 4
+    banned = c.completions.create(**kw, extra_body={**ids, "logit_bias": {str(free[0]): -100}})
+    assert _token_ids(banned.choices[0])[0] != free[0]
+
+
+def test_min_tokens_holds_back_the_end(server: Server) -> None:
+    """With the end-of-sequence token pushed to the top (logit_bias), the answer ends at
+    once; with `min_tokens` its end tokens are not sampled until that many are out."""
+    eos = read_header(default_model_path()).fields["tokenizer.ggml.eos_token_id"]
+    c = client(server)
+    kw: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                          "max_tokens": 20, "temperature": 0}  # fmt: skip
+    ended = c.chat.completions.create(**kw, extra_body={"logit_bias": {str(eos): 100}})
+    assert ended.choices[0].finish_reason == "stop"
+    assert ended.usage.completion_tokens <= 1  # type: ignore[union-attr]
+    held = c.chat.completions.create(**kw, extra_body={"logit_bias": {str(eos): 100},
+                                                       "min_tokens": 6})  # fmt: skip
+    assert held.choices[0].finish_reason == "stop"
+    assert held.usage.completion_tokens == 7  # type: ignore[union-attr]  # 6, then the end

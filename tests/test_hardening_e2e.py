@@ -194,12 +194,13 @@ NOT_SERVED = [
     (CHAT, {"response_format": {"type": "json_schema",
                                 "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
      "response_format"),
-    (CHAT, {"logit_bias": {"17": 5}}, "logit_bias"),
-    (CHAT, {"min_tokens": 3}, "min_tokens"),
+    (CHAT, {"logit_bias": {"seventeen": 5}}, "logit_bias"),
+    (CHAT, {"logit_bias": {"999999999": 5}}, "logit_bias"),
+    (CHAT, {"min_tokens": 3, "max_tokens": 2}, "min_tokens"),
     (CHAT, {"functions": [{"name": "f"}]}, "functions"),
     (CHAT, {"guided_json": {"type": "object"}}, "guided_json"),
     (COMPLETIONS, {"best_of": 3}, "best_of"),
-    (COMPLETIONS, {"logit_bias": {"17": -100}}, "logit_bias"),
+    (COMPLETIONS, {"logit_bias": {"17": "a lot"}}, "logit_bias"),
 ]  # fmt: skip
 BAD_MESSAGES = [
     ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]},

@@ -200,3 +200,28 @@ def test_a_masked_row_samples_only_allowed_tokens(n_vocab: int) -> None:
         assert got[s] == masked_best[s]
     assert allowed[got[: SLOTS - 2]].all()
     assert not allowed[got[SLOTS - 2]] and got[SLOTS - 2] == x[SLOTS - 2].argmax()
+
+
+def test_logit_bias_and_banned_end_tokens_change_the_row_before_sampling() -> None:
+    """A slot's logit_bias entries are added to its row (+100 makes a token the greedy
+    pick, -100 bans the one that was), and while min_tokens is not met its end tokens
+    are never picked; other slots in the call are untouched."""
+    n_vocab = 5000
+    ns = _native(n_vocab)
+    ns.set_eog([7, 11])
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, n_vocab)).astype(np.float32)
+    x[:, 7] = 50.0  # an end token is everyone's favourite
+    plain = SamplingParams(temperature=0.0)
+    ns.set_slot(0, SamplingParams(temperature=0.0, logit_bias=((123, 100.0),)), ROW_GREEDY)
+    ns.set_slot(1, SamplingParams(temperature=0.0, logit_bias=((7, -100.0),)), ROW_GREEDY)
+    ns.set_slot(2, SamplingParams(temperature=0.0, min_tokens=3), ROW_GREEDY)
+    ns.set_slot(3, plain, ROW_GREEDY)
+    got = ns.sample(x, [0, 1, 2, 3])
+    assert got[0] == 123
+    banned = np.isin(np.arange(n_vocab), [7, 11])
+    assert got[1] == np.where(np.arange(n_vocab) == 7, x[1] - 100.0, x[1]).argmax()
+    assert got[2] not in (7, 11) and got[2] == np.where(banned, -np.inf, x[2]).argmax()
+    assert got[3] == 7
+    ns.set_slot(2, SamplingParams(temperature=0.0, min_tokens=3), ROW_GREEDY, skip=3)
+    assert ns.sample(x, [2])[0] == 7  # min_tokens met: the end token is allowed again

@@ -17,6 +17,9 @@
  * splitmix64 counter, one draw per token, so a seeded request's tokens depend on nothing
  * but its own logits, and skipping n draws is adding n * GAMMA to the state.
  *
+ * Before a row is sampled its slot's logit_bias entries are added to it and, while
+ * min_tokens is not reached, its end-of-generation tokens are set to -inf.
+ *
  * Constrained sequences (a JSON schema, a tool call) come with a token bitmask per slot,
  * written by a Python thread while llama_decode runs (engine/sampling.py): after the
  * device finishes, the step waits for `mask_ready`, then every masked row has its
@@ -61,7 +64,13 @@ struct slot_params {
     uint64_t *rng; /* splitmix64 state, advanced once per sampled token */
     int32_t *masked; /* 1: the slot's row of `mask` applies to its logits */
     const uint32_t *mask; /* n_slots rows of mask_words: bit t%32 of word t/32 = allowed */
+    int32_t *bias_n; /* logit_bias entries of the slot (at most MAX_BIAS) */
+    const int32_t *bias_id; /* n_slots rows of MAX_BIAS token ids ... */
+    const float *bias_val; /* ... and the values added to their logits */
+    int32_t *ban_eog; /* 1: end-of-generation tokens are not allowed yet (min_tokens) */
 };
+
+#define MAX_BIAS 1024
 
 struct step_call {
     decode_fn decode;
@@ -79,6 +88,8 @@ struct step_call {
     int32_t mask_words;
     int32_t *mask_ready; /* set to 1 (release) once this step's masks are written */
     double t_masked; /* ... the masks were ready */
+    int32_t n_eog;
+    const int32_t *eog; /* the vocabulary's end-of-generation tokens */
 };
 
 #define BLOCK 128
@@ -490,6 +501,12 @@ static void *sample_rows(void *arg) {
         int32_t slot = j->row_slot[r];
         float *x = (float *) j->logits + (int64_t) r * v;
         float *bm = j->scratch + 3 * (int64_t) v;
+        for (int32_t k = 0; s->bias_n != NULL && k < s->bias_n[slot]; k++) {
+            int64_t at = (int64_t) slot * MAX_BIAS + k;
+            x[s->bias_id[at]] += s->bias_val[at];
+        }
+        if (s->ban_eog != NULL && s->ban_eog[slot])
+            for (int32_t k = 0; k < j->call->n_eog; k++) x[j->call->eog[k]] = -INFINITY;
         if (s->masked != NULL && s->masked[slot])
             apply_mask(x, v, s->mask + (int64_t) slot * j->call->mask_words);
         switch (s->mode[slot]) {
