@@ -179,12 +179,24 @@ class Metrics:
         self.phase_time = Counter(
             "onegpu_step_phase_seconds",
             "Step time by phase: schedule, fill (batch + sampler setup), decode (llama_decode), "
-            "sample, gil (the engine thread waiting for Python's GIL after its native step), "
-            "postprocess (detokenize, stops, fan-out), other (thread hand-off, waits)",
+            "mask_wait (after decoding, for constrained sequences' token masks), sample, gil "
+            "(the engine thread waiting for Python's GIL after its native step), postprocess "
+            "(detokenize, stops, fan-out), other (thread hand-off, waits)",
             ["phase"],
             registry=r,
         )
-        phases = ("schedule", "fill", "decode", "sample", "gil", "postprocess", "other")
+        phases = (
+            "schedule", "fill", "decode", "mask_wait", "sample", "gil", "postprocess", "other",
+        )  # fmt: skip
+        self.grammar_masks = Counter(
+            "onegpu_grammar_masks", "Token masks computed for constrained sequences",
+            registry=r,
+        )  # fmt: skip
+        self.grammar_mask_time = Counter(
+            "onegpu_grammar_mask_seconds",
+            "Time computing them (on the mask thread, while the step decodes)",
+            registry=r,
+        )
         self._phases = {p: self.phase_time.labels(phase=p) for p in phases}
         # The same for steps without prompt tokens only: a pure decode step is what
         # llama-batched-bench's S_TG times, and prompt steps would blur the comparison.
@@ -303,6 +315,7 @@ class Metrics:
             "schedule": s.schedule_s,
             "fill": s.fill_s,
             "decode": s.decode_s,
+            "mask_wait": s.mask_wait_s,
             "sample": s.sample_s,
             "gil": s.gil_s,
             "postprocess": s.postprocess_s,
@@ -310,6 +323,9 @@ class Metrics:
         parts["other"] = max(0.0, s.step_s - sum(parts.values()))
         for phase, v in parts.items():
             self._phases[phase].inc(v)
+        if s.masks:
+            self.grammar_masks.inc(s.masks)
+            self.grammar_mask_time.inc(s.mask_s)
         if s.num_step_prompt_tokens == 0:
             self.decode_steps.inc()
             for phase, v in parts.items():

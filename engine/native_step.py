@@ -181,6 +181,13 @@ class NativeStep:
         self.bias_n[slot] = 0
         self.ban_eog[slot] = 0
 
+    def allow_only_end(self, slot: int) -> None:
+        """The slot's mask row allows its end-of-generation tokens only."""
+        row = self.mask[slot]
+        row[:] = 0
+        for t in self._eog.tolist():
+            row[t // 32] |= np.uint32(1 << (t % 32))
+
     def set_eog(self, tokens: list[int]) -> None:
         """The vocabulary's end-of-generation tokens (banned while min_tokens is not met)."""
         self._eog = np.array(tokens, dtype=np.int32)

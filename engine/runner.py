@@ -145,6 +145,9 @@ class Engine:
             result.decode_s += part.decode_s
             result.sample_s += part.sample_s
             result.gil_s += part.gil_s
+            result.mask_wait_s += part.mask_wait_s
+            result.masks += part.masks
+            result.mask_s += part.mask_s
             t_start = time.perf_counter()
         return result
 
@@ -189,9 +192,11 @@ class Engine:
         raise_for_decode(rc)
         t1 = time.perf_counter()
         sampled = self.sampler.finish(want, self.native.out)
+        masks, mask_s = self.sampler.mask_work
         return StepResult(
             sampled, fill_s=t0 - t_start, decode_s=times.decode_s,
             sample_s=times.sample_s + time.perf_counter() - t1, gil_s=times.gil_s,
+            mask_wait_s=times.mask_wait_s, masks=masks, mask_s=mask_s,
         )  # fmt: skip
 
     def seq_pos_max(self, seq_id: int) -> int:

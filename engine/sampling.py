@@ -19,6 +19,8 @@ allowed tokens (vLLM does the same).
 
 from __future__ import annotations
 
+import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -28,6 +30,8 @@ from engine.errors import BackendError, GrammarError
 from engine.grammar import Constraint, Grammars
 from engine.native_step import ROW_GREEDY, ROW_PYTHON, NativeStep, native_mode
 from engine.step_types import Sampled, SamplingParams, SeqStart
+
+log = logging.getLogger(__name__)
 
 PENALTY_LAST_N = 64
 _RANDOM_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: llama.cpp picks a random seed
@@ -47,6 +51,7 @@ class SamplerBank:
         self._min_left: dict[int, int] = {}  # tokens until end tokens are allowed
         self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="masks")
         self._masks: Any = None  # this step's mask job (a future), if any
+        self.mask_work = (0, 0.0)  # the last step's masks: how many, seconds on the thread
         self.native = native
         self.ctx = ctx
         self.n_vocab = n_vocab
@@ -109,6 +114,7 @@ class SamplerBank:
         sequences it samples, on the mask thread (the native step waits for them after
         decoding, so they cost nothing while they take less than the decode)."""
         rows = [(seq_id, c) for seq_id, _ in want if (c := self._constraints.get(seq_id))]
+        self.mask_work = (len(rows), 0.0)
         if not rows:
             return
         self.native.masks_pending()
@@ -122,10 +128,16 @@ class SamplerBank:
             job.exception()  # waits; the step's failure is what gets reported
 
     def _fill(self, rows: list[tuple[int, Constraint]]) -> None:
+        t0 = time.perf_counter()
         try:
             for seq_id, c in rows:
-                c.fill(self.native.mask[seq_id])
+                try:
+                    c.fill(self.native.mask[seq_id])
+                except Exception:  # one sequence's grammar failing ends that one only
+                    log.exception("grammar mask of sequence %d failed: it ends", seq_id)
+                    self.native.allow_only_end(seq_id)
         finally:
+            self.mask_work = (len(rows), time.perf_counter() - t0)
             self.native.masks_ready()  # never leave the step waiting
 
     def _build(self, p: SamplingParams) -> Any:

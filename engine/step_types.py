@@ -139,6 +139,9 @@ class StepResult:
     decode_s: float = 0.0  # time inside llama_decode
     sample_s: float = 0.0  # time sampling and computing logprobs
     gil_s: float = 0.0  # after the native step, waiting for Python's GIL (another thread held it)
+    mask_wait_s: float = 0.0  # after decoding, waiting for constrained rows' masks
+    masks: int = 0  # token masks computed (constrained sequences) ...
+    mask_s: float = 0.0  # ... and their time, on the mask thread
     swap_out_s: float = 0.0  # saving KV to host RAM
     swap_in_s: float = 0.0  # restoring it
     swap_out_bytes: int = 0

@@ -50,6 +50,9 @@ class StepStats:
     decode_s: float = 0.0  # inside llama_decode
     sample_s: float = 0.0  # sampling + logprobs in the engine
     gil_s: float = 0.0  # engine thread waiting for the GIL after its native step
+    mask_wait_s: float = 0.0  # engine: after decoding, waiting for constrained rows' masks
+    masks: int = 0  # token masks computed for constrained sequences ...
+    mask_s: float = 0.0  # ... and the time that took, on the mask thread
     postprocess_s: float = 0.0  # append, detokenize, stops, finish, hand each stream its delta
     step_s: float = 0.0  # whole step as the loop saw it (schedule → fan-out)
     ttft_s: list[float] = field(default_factory=list)
