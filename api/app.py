@@ -31,6 +31,7 @@ from api.metrics import CONTENT_TYPE, Metrics
 from api.openai_routes import chat_completions, completions, list_models
 from api.openapi import openapi_json
 from api.planning import Placement, describe
+from api.reasoning import template_reasons
 from api.state import ServerSettings, ServerState, server_state
 from engine.chat_template import ChatTemplate
 from engine.model import Model
@@ -144,6 +145,7 @@ def _state(
         prompt_workers=anyio.CapacityLimiter(settings.limits.prompt_workers),
         aliases=frozenset({name, Path(settings.engine.model_path).name}),
         experts=experts,
+        reasoning=settings.reasoning_format != "none" and template_reasons(template.source),
     )
 
 

@@ -92,6 +92,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="compute every prompt in full (no prefix cache)")  # fmt: skip
     s.add_argument("--chat-template", type=Path, help="jinja2 chat template file")
     s.add_argument(
+        "--reasoning-format", choices=("auto", "none"), default="auto",
+        help="auto: a reasoning model's <think> block (its template writes <think>) goes to "
+        "reasoning_content; none: it stays in content",
+    )  # fmt: skip
+    s.add_argument(
         "--api-key", action="append", default=[],
         help="require `Authorization: Bearer KEY` on /v1 (repeatable; visible in ps: prefer "
         "--api-key-file or $ONEGPU_API_KEY, comma-separated)",
@@ -289,6 +294,7 @@ def _serve(args: argparse.Namespace) -> None:
         engine=engine,
         served_model_name=args.served_model_name,
         chat_template=args.chat_template,
+        reasoning_format=args.reasoning_format,
         max_waiting=args.max_waiting,
         swap_space=args.swap_space,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -31,6 +31,7 @@ from api.generation import (
 )
 from api.lanes import resolve_lane
 from api.prompts import chat_prompt, completion_prompts
+from api.reasoning import ReasoningSplit
 from api.schemas import (
     CHAT_DECODER,
     COMPLETION_DECODER,
@@ -221,18 +222,28 @@ async def chat_completions(request: Request) -> Response:
             )
         )
 
+    tail = prompt_tail(state, ids) if state.reasoning else ""
+
     async def frames() -> AsyncIterator[bytes]:
         yield chunk([ChunkChoice(i, Delta(role="assistant", content="")) for i in range(req.n)])
         completion_tokens = 0
         cached = len(ids)  # the least any choice read: the prompt is counted once
+        splits = [ReasoningSplit(tail) for _ in range(req.n)] if state.reasoning else None
         async for i, o in sub.outputs():
             if (err := _ended_badly(o.finish_reason)) is not None:
                 yield _error_frame(err)
                 yield DONE
                 return
             lp = _chat_logprobs(state, o.logprobs) if o.logprobs else None
-            if o.text or lp is not None:
-                yield chunk([ChunkChoice(i, Delta(content=o.text), None, lp)])
+            thought, text = splits[i].feed(o.text) if splits else ("", o.text)
+            if o.finish_reason is not None and splits:
+                more = splits[i].flush()
+                thought, text = thought + more[0], text + more[1]
+            if text or thought or lp is not None:
+                delta = Delta(
+                    content=text if text or not thought else None, reasoning_content=thought or None
+                )
+                yield chunk([ChunkChoice(i, delta, None, lp)])
             if o.finish_reason is not None:
                 completion_tokens += o.num_output_tokens
                 cached = min(cached, o.num_cached_tokens)
@@ -245,7 +256,7 @@ async def chat_completions(request: Request) -> Response:
         out = [
             ChatChoice(
                 i,
-                ResponseMessage("".join(c.text)),
+                _message("".join(c.text), tail if state.reasoning else None),
                 c.finish_reason,
                 _chat_logprobs(state, c.logprobs) if req.logprobs else None,
             )
@@ -256,6 +267,22 @@ async def chat_completions(request: Request) -> Response:
         return ChatCompletion(rid, created, req.model, out, _usage(len(ids), gen, cached), fp)
 
     return await _respond(request, sub, req.stream, frames, body)
+
+
+def _message(text: str, tail: str | None) -> ResponseMessage:
+    """The assistant message; `tail` (the prompt's end) when its reasoning is split off."""
+    if tail is None:
+        return ResponseMessage(text)
+    split = ReasoningSplit(tail)
+    split.feed(text)
+    split.flush()
+    return ResponseMessage(split.content, reasoning_content=split.reasoning)
+
+
+def prompt_tail(state: ServerState, ids: list[int]) -> str:
+    """The end of a prompt as text, special tokens by name: did the template open a
+    reasoning block?"""
+    return b"".join(state.model.token_text(t) for t in ids[-16:]).decode("utf-8", "replace")
 
 
 async def completions(request: Request) -> Response:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import msgspec
-from msgspec import Meta, Struct
+from msgspec import UNSET, Meta, Struct, UnsetType
 
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 Prob = Annotated[float, Meta(ge=0.0, le=1.0)]
@@ -132,6 +132,8 @@ class ChatLogprobs(Struct):
 class ResponseMessage(Struct):
     content: str
     role: Literal["assistant"] = "assistant"
+    # a reasoning model's thinking (api.reasoning); absent for other models
+    reasoning_content: str | UnsetType = UNSET
 
 
 class ChatChoice(Struct):
@@ -154,6 +156,7 @@ class ChatCompletion(Struct):
 class Delta(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChunkChoice(Struct):

@@ -29,6 +29,7 @@ class ServerSettings:
     engine: EngineConfig
     served_model_name: str | None = None
     chat_template: Path | None = None
+    reasoning_format: str = "auto"  # "none": a reasoning model's <think> block stays in content
     max_waiting: int = 256
     swap_space: int = 4 * 2**30  # host-RAM bytes for preempted requests' KV (0 = none)
     max_num_batched_tokens: int | None = None  # per step; None = the context's n_batch
@@ -63,6 +64,7 @@ class ServerState:
     preparing: Counter[tuple[str, str]] = field(default_factory=Counter)
     aliases: frozenset[str] = field(default_factory=frozenset)
     experts: ExpertTelemetry | None = None  # router telemetry (MoE, sample rate > 0)
+    reasoning: bool = False  # split <think> … </think> into reasoning_content (api.reasoning)
 
 
 def server_state(request: Request) -> ServerState:
