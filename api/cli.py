@@ -90,7 +90,10 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     s.add_argument("--no-prefix-cache", action="store_true",
                    help="compute every prompt in full (no prefix cache)")  # fmt: skip
-    s.add_argument("--chat-template", type=Path, help="jinja2 chat template file")
+    s.add_argument(
+        "--chat-template", type=Path,
+        help="jinja2 chat template: a file, or a shipped one by name (gemma, chatml)",
+    )  # fmt: skip
     s.add_argument(
         "--reasoning-format", choices=("auto", "none"), default="auto",
         help="auto: a reasoning model's <think> block (its template writes <think>) goes to "

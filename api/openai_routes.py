@@ -61,6 +61,7 @@ from api.state import ServerState, server_state
 from api.structured import response_grammar
 from api.validation import (
     chat_messages,
+    chat_rendering,
     check_stops,
     logit_bias,
     min_tokens,
@@ -196,7 +197,8 @@ async def chat_completions(request: Request) -> Response:
     sub = Submission(state, rid, lane, client_of(request.scope))
     with sub.admission(req.n):
         grammar = await response_grammar(state, req.response_format)
-        prompt = await chat_prompt(state, messages, context_limit(state, lane))
+        template = chat_rendering(state, req, messages)
+        prompt = await chat_prompt(state, messages, context_limit(state, lane), template)
         ids = prompt.ids
         asked = req.max_completion_tokens or req.max_tokens
         max_tokens = max_tokens_for(state, len(ids), asked, lane)

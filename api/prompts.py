@@ -16,7 +16,7 @@ import anyio
 
 from api.errors import ContextLengthExceeded, InvalidRequest
 from api.state import ServerState
-from engine.chat_template import ChatTemplateError
+from engine.chat_template import ChatTemplate, ChatTemplateError
 from engine.chat_tokens import ChatPrompt, chat_prompt_ids
 
 
@@ -37,7 +37,10 @@ def _refuse_if_too_long(n_chars: int, limit: int, state: ServerState, param: str
         )
 
 
-async def chat_prompt(state: ServerState, messages: list[dict[str, str]], limit: int) -> ChatPrompt:
+async def chat_prompt(
+    state: ServerState, messages: list[dict[str, str]], limit: int,
+    template: ChatTemplate | None = None,
+) -> ChatPrompt:  # fmt: skip
     """The chat's token ids: template text with its special tokens, message content as
     plain text (engine.chat_tokens). On a sliding-window model, also where its system
     block ends: the prefix cache can let others read a prompt only at points it offers
@@ -49,7 +52,7 @@ async def chat_prompt(state: ServerState, messages: list[dict[str, str]], limit:
         return model.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     work = partial(
-        chat_prompt_ids, state.template, messages, tokenize, model.is_control,
+        chat_prompt_ids, template or state.template, messages, tokenize, model.is_control,
         add_bos=model.add_bos, bos_token=model.bos_token, find_system_end=model.n_swa > 0,
     )  # fmt: skip
     try:

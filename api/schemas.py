@@ -88,6 +88,10 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
+    # How the chat template renders (vLLM's names; engine.chat_template)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

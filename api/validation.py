@@ -13,6 +13,8 @@ from typing import Any
 
 from api.errors import InvalidRequest, Unsupported
 from api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from api.state import ServerState
+from engine.chat_template import RESERVED, ChatTemplate
 from engine.native_step import MAX_BIAS
 
 # role -> the role the chat template sees ("developer" is OpenAI's newer name for system)
@@ -149,3 +151,32 @@ def min_tokens(req: SamplingFields, max_tokens: int | None) -> int:
         raise InvalidRequest(f"min_tokens ({n}) is more than max_tokens ({max_tokens})",
                              param="min_tokens")  # fmt: skip
     return n
+
+
+def chat_rendering(
+    state: ServerState, req: ChatCompletionRequest, messages: list[dict[str, str]]
+) -> ChatTemplate:
+    """The server's template bound to this request's rendering options (vLLM's fields)."""
+    if req.continue_final_message:
+        if req.add_generation_prompt:
+            raise InvalidRequest(
+                "continue_final_message needs add_generation_prompt: false",
+                param="continue_final_message",
+            )
+        if messages[-1]["role"] != "assistant" or not messages[-1]["content"].strip():
+            raise InvalidRequest(
+                "continue_final_message needs a last assistant message with text to continue",
+                param="continue_final_message",
+            )
+    kwargs = req.chat_template_kwargs or {}
+    for name in kwargs:
+        if name in RESERVED:
+            raise InvalidRequest(
+                f"chat_template_kwargs cannot set {name!r}: the server sets it",
+                param="chat_template_kwargs",
+            )
+    return state.template.bind(
+        add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message,
+        variables=kwargs,
+    )

@@ -594,3 +594,25 @@ def test_min_tokens_holds_back_the_end(server: Server) -> None:
                                                        "min_tokens": 6})  # fmt: skip
     assert held.choices[0].finish_reason == "stop"
     assert held.usage.completion_tokens == 7  # type: ignore[union-attr]  # 6, then the end
+
+
+def test_chat_rendering_options(server: Server) -> None:
+    """vLLM's rendering fields: `continue_final_message` ends the prompt inside the last
+    assistant message (no end of turn, no new turn), so the model continues it; misuse
+    and `chat_template_kwargs` that would replace the server's own variables are 400s."""
+    c = client(server)
+    msgs: Any = [{"role": "user", "content": "Count to five."},
+                 {"role": "assistant", "content": "One, two,"}]  # fmt: skip
+    kw: dict[str, Any] = {"model": MODEL, "messages": msgs, "max_tokens": 4, "temperature": 0}
+    turn = c.chat.completions.create(**kw)
+    cont = c.chat.completions.create(
+        **kw, extra_body={"add_generation_prompt": False, "continue_final_message": True}
+    )
+    assert turn.usage and cont.usage
+    assert cont.usage.prompt_tokens < turn.usage.prompt_tokens  # no `<end_of_turn>`, no new turn
+    bad = [({"continue_final_message": True}, "continue_final_message"),
+           ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs")]  # fmt: skip
+    for extra, param in bad:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(**kw, extra_body=extra)
+        assert e.value.body["param"] == param  # type: ignore[index]
