@@ -10,7 +10,8 @@
 #   our server at HYBRID_THREADS threads), compare-1r (every N, one repeat),
 #   hybrid-levers (the planned layout with all 16 threads, telemetry off, --no-mmap) and
 #   tap-cost (router telemetry on/off, engine only), kv-pressure (issue 19: bench.kv_pressure
-#   and bench.swap_cost), multiturn (issue 20: bench.multiturn, all-GPU and --cpu-moe), native (engine alone, greedy and
+#   and bench.swap_cost), multiturn (issue 20: bench.multiturn, all-GPU and --cpu-moe),
+#   structured (issue 21: bench.mask_time, bench.constrained all-GPU), native (engine alone, greedy and
 #   typical, 1/8/32 sequences: the native decode-and-sample step). At the end every result file is
 #   concatenated into RESULTS/all.txt: the device returns only a few files.
 set -uo pipefail
@@ -97,6 +98,9 @@ for s in "${steps[@]}"; do
       run multiturn-cpumoe python3 -m bench.multiturn --gpu --cpu-moe --peer-bin "$PEER_BIN" \
         --model "$MODEL" --n-ctx 139264 --peer-args "--cache-ram 0" --scenario-timeout 240 \
         --json "$R/multiturn-cpumoe.json" ;;
+    structured)  # issue 21: mask time on the model's vocabulary, constrained users beside free
+      run mask-time python3 -m bench.mask_time --model "$MODEL"
+      run constrained python3 -m bench.constrained --gpu --model "$MODEL" ;;
     tap-cost)  # paired, step by step (bench/tap_cost.py), then as a throughput difference
       run tapcost python3 -m bench.tap_cost --model "$MODEL" --concurrency 1 8 32 --steps 400
       run tapcost-throughput python3 -m bench.engine_step --model "$MODEL" --concurrency 1 8 32 \
