@@ -33,6 +33,7 @@ from api.openapi import openapi_json
 from api.planning import Placement, describe
 from api.reasoning import template_reasons
 from api.state import ServerSettings, ServerState, server_state
+from api.tool_calls import detect as detect_tool_format
 from engine.chat_template import ChatTemplate
 from engine.model import Model
 from engine.runner import Engine
@@ -146,7 +147,14 @@ def _state(
         aliases=frozenset({name, Path(settings.engine.model_path).name}),
         experts=experts,
         reasoning=settings.reasoning_format != "none" and template_reasons(template.source),
+        tool_format=_tool_format(settings.tool_call_parser, template.source),
     )
+
+
+def _tool_format(parser: str, source: str) -> str | None:
+    if parser == "none":
+        return None
+    return detect_tool_format(source) if parser == "auto" else parser
 
 
 async def health(request: Request) -> Response:

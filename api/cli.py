@@ -9,6 +9,7 @@ import logging
 import sys
 from pathlib import Path
 
+from api.tool_calls import FORMATS as TOOL_FORMATS
 from engine.config import EngineConfig
 from engine.placement import CPU_MOE
 
@@ -93,6 +94,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--chat-template", type=Path,
         help="jinja2 chat template: a file, or a shipped one by name (gemma, chatml)",
+    )  # fmt: skip
+    s.add_argument(
+        "--tool-call-parser", choices=("auto", *TOOL_FORMATS, "none"), default="auto",
+        help="the model's tool-call format (vLLM's name); auto: from the chat template",
     )  # fmt: skip
     s.add_argument(
         "--reasoning-format", choices=("auto", "none"), default="auto",
@@ -298,6 +303,7 @@ def _serve(args: argparse.Namespace) -> None:
         served_model_name=args.served_model_name,
         chat_template=args.chat_template,
         reasoning_format=args.reasoning_format,
+        tool_call_parser=args.tool_call_parser,
         max_waiting=args.max_waiting,
         swap_space=args.swap_space,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -10,6 +10,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from api.answer import AnswerSplit, Parts
 from api.auth import client_of
 from api.body import read_json
 from api.disconnect import EventStreamResponse, run_until_disconnect
@@ -31,7 +32,6 @@ from api.generation import (
 )
 from api.lanes import resolve_lane
 from api.prompts import chat_prompt, completion_prompts
-from api.reasoning import ReasoningSplit
 from api.schemas import (
     CHAT_DECODER,
     COMPLETION_DECODER,
@@ -49,16 +49,19 @@ from api.schemas import (
     Delta,
     ErrorBody,
     ErrorDetail,
+    FunctionCall,
     ModelCard,
     ModelList,
     PromptTokensDetails,
     ResponseMessage,
     TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
     TopLogprob,
     Usage,
 )
 from api.state import ServerState, server_state
-from api.structured import response_grammar
+from api.structured import request_tools, response_grammar, tool_grammar
 from api.validation import (
     chat_messages,
     chat_rendering,
@@ -196,8 +199,16 @@ async def chat_completions(request: Request) -> Response:
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     sub = Submission(state, rid, lane, client_of(request.scope))
     with sub.admission(req.n):
+        tools = request_tools(state, req, messages)
         grammar = await response_grammar(state, req.response_format)
-        template = chat_rendering(state, req, messages)
+        if tools.grammar is not None:
+            if grammar is not None:
+                raise InvalidRequest(
+                    "a required or named tool_choice cannot be combined with a response_format",
+                    param="tool_choice",
+                )
+            grammar = await tool_grammar(state, tools.grammar)
+        template = chat_rendering(state, req, messages, tools.render)
         prompt = await chat_prompt(state, messages, context_limit(state, lane), template)
         ids = prompt.ids
         asked = req.max_completion_tokens or req.max_tokens
@@ -224,46 +235,46 @@ async def chat_completions(request: Request) -> Response:
             )
         )
 
-    tail = prompt_tail(state, ids) if state.reasoning else ""
+    tail = prompt_tail(state, ids) if state.reasoning else None
+
+    def split() -> AnswerSplit:
+        return AnswerSplit(tail, tools.parse)
 
     async def frames() -> AsyncIterator[bytes]:
         yield chunk([ChunkChoice(i, Delta(role="assistant", content="")) for i in range(req.n)])
         completion_tokens = 0
         cached = len(ids)  # the least any choice read: the prompt is counted once
-        splits = [ReasoningSplit(tail) for _ in range(req.n)] if state.reasoning else None
+        splits = [split() for _ in range(req.n)]
         async for i, o in sub.outputs():
             if (err := _ended_badly(o.finish_reason)) is not None:
                 yield _error_frame(err)
                 yield DONE
                 return
             lp = _chat_logprobs(state, o.logprobs) if o.logprobs else None
-            thought, text = splits[i].feed(o.text) if splits else ("", o.text)
-            if o.finish_reason is not None and splits:
-                more = splits[i].flush()
-                thought, text = thought + more[0], text + more[1]
-            if text or thought or lp is not None:
-                delta = Delta(
-                    content=text if text or not thought else None, reasoning_content=thought or None
-                )
-                yield chunk([ChunkChoice(i, delta, None, lp)])
-            if o.finish_reason is not None:
+            parts, reason = splits[i].feed(o.text), o.finish_reason
+            if reason is not None:
+                more, reason = splits[i].finish(reason)
+                parts.reasoning += more.reasoning
+                parts.content += more.content
+                parts.calls += more.calls
+            if parts.content or parts.reasoning or parts.calls or lp is not None:
+                yield chunk([ChunkChoice(i, _delta(parts, splits[i]), None, lp)])
+            if reason is not None:
                 completion_tokens += o.num_output_tokens
                 cached = min(cached, o.num_cached_tokens)
-                yield chunk([ChunkChoice(i, Delta(), o.finish_reason)])
+                yield chunk([ChunkChoice(i, Delta(), reason)])
         if include_usage:
             yield chunk([], _usage(len(ids), completion_tokens, cached))
         yield DONE
 
     def body(choices: list[Choice]) -> ChatCompletion:
-        out = [
-            ChatChoice(
-                i,
-                _message("".join(c.text), tail if state.reasoning else None),
-                c.finish_reason,
-                _chat_logprobs(state, c.logprobs) if req.logprobs else None,
-            )
-            for i, c in enumerate(choices)
-        ]
+        out = []
+        for i, c in enumerate(choices):
+            whole = split()
+            whole.feed("".join(c.text))
+            _, reason = whole.finish(c.finish_reason)
+            lp = _chat_logprobs(state, c.logprobs) if req.logprobs else None
+            out.append(ChatChoice(i, _message(whole, tail is not None), reason, lp))
         gen = sum(c.num_output_tokens for c in choices)
         cached = min(c.num_cached_tokens for c in choices)
         return ChatCompletion(rid, created, req.model, out, _usage(len(ids), gen, cached), fp)
@@ -271,14 +282,36 @@ async def chat_completions(request: Request) -> Response:
     return await _respond(request, sub, req.stream, frames, body)
 
 
-def _message(text: str, tail: str | None) -> ResponseMessage:
-    """The assistant message; `tail` (the prompt's end) when its reasoning is split off."""
-    if tail is None:
-        return ResponseMessage(text)
-    split = ReasoningSplit(tail)
-    split.feed(text)
-    split.flush()
-    return ResponseMessage(split.content, reasoning_content=split.reasoning)
+def _message(split: AnswerSplit, reasoning: bool) -> ResponseMessage:
+    """The assistant message of a whole answer."""
+    parts = split.all
+    msg = ResponseMessage(parts.content or (None if parts.calls else ""))
+    if reasoning:
+        msg.reasoning_content = parts.reasoning
+    if parts.calls:
+        msg.tool_calls = [
+            ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+            for c in parts.calls
+        ]
+    return msg
+
+
+def _delta(parts: Parts, split: AnswerSplit) -> Delta:
+    """A streamed piece: reasoning, content, and each call made whole in it (OpenAI's
+    stream sends a call's id and name, then its arguments; one delta with all of them is
+    what a client that accumulates deltas reads the same way)."""
+    first = len(split.all.calls) - len(parts.calls)
+    return Delta(
+        content=parts.content if parts.content or not (parts.reasoning or parts.calls) else None,
+        reasoning_content=parts.reasoning or None,
+        tool_calls=[
+            ToolCallDelta(
+                index=first + k, id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)
+            )
+            for k, c in enumerate(parts.calls)
+        ]
+        or None,
+    )
 
 
 def prompt_tail(state: ServerState, ids: list[int]) -> str:

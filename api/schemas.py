@@ -29,12 +29,35 @@ class ContentPart(Struct, kw_only=True):
     text: str | None = None
 
 
+class FunctionCall(Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(Struct, kw_only=True):
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
+class FunctionDef(Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Struct, kw_only=True):
+    function: FunctionDef
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: Any = None  # refused until tool calls are served (api.validation)
-    tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls (api.tool_calls)
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class SamplingFields(Struct, kw_only=True):
@@ -81,8 +104,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: PosInt | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -134,10 +158,11 @@ class ChatLogprobs(Struct):
 
 
 class ResponseMessage(Struct):
-    content: str
+    content: str | None
     role: Literal["assistant"] = "assistant"
     # a reasoning model's thinking (api.reasoning); absent for other models
     reasoning_content: str | UnsetType = UNSET
+    tool_calls: list[ToolCall] | UnsetType = UNSET  # (api.tool_calls)
 
 
 class ChatChoice(Struct):
@@ -157,10 +182,18 @@ class ChatCompletion(Struct):
     object: Literal["chat.completion"] = "chat.completion"
 
 
+class ToolCallDelta(Struct, kw_only=True):
+    index: int
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class Delta(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChunkChoice(Struct):

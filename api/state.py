@@ -30,6 +30,7 @@ class ServerSettings:
     served_model_name: str | None = None
     chat_template: Path | None = None
     reasoning_format: str = "auto"  # "none": a reasoning model's <think> block stays in content
+    tool_call_parser: str = "auto"  # api.tool_calls: "auto" (from the template), a name, "none"
     max_waiting: int = 256
     swap_space: int = 4 * 2**30  # host-RAM bytes for preempted requests' KV (0 = none)
     max_num_batched_tokens: int | None = None  # per step; None = the context's n_batch
@@ -65,6 +66,7 @@ class ServerState:
     aliases: frozenset[str] = field(default_factory=frozenset)
     experts: ExpertTelemetry | None = None  # router telemetry (MoE, sample rate > 0)
     reasoning: bool = False  # split <think> … </think> into reasoning_content (api.reasoning)
+    tool_format: str | None = None  # the model's tool-call format (api.tool_calls), if served
 
 
 def server_state(request: Request) -> ServerState:

@@ -14,9 +14,12 @@ from __future__ import annotations
 from typing import Any
 
 import anyio
+import msgspec
 
 from api.errors import InvalidRequest
+from api.schemas import ChatCompletionRequest
 from api.state import ServerState
+from api.tool_calls import ToolSetup, tool_setup
 from engine.errors import GrammarError
 
 PARAM = "response_format"
@@ -54,3 +57,36 @@ async def response_grammar(state: ServerState, rf: Any) -> str | None:
         return await anyio.to_thread.run_sync(work, limiter=state.prompt_workers)
     except GrammarError as e:
         raise InvalidRequest(f"response_format: {e}", param=PARAM) from None
+
+
+def request_tools(
+    state: ServerState, req: ChatCompletionRequest, messages: list[dict[str, Any]]
+) -> ToolSetup:
+    """What `tools` / `tool_choice` ask (api.tool_calls); a 400 naming what cannot be —
+    also a conversation with calls or tool results for a model that has no tool format."""
+    if state.tool_format is None:
+        for i, m in enumerate(messages):
+            if m["role"] == "tool" or "tool_calls" in m:
+                what = "role" if m["role"] == "tool" else "tool_calls"
+                raise InvalidRequest(
+                    f"messages[{i}].{what}: this model's chat template writes no tool-call "
+                    "format the server knows",
+                    param=f"messages[{i}].{what}",
+                )
+    tools = [msgspec.to_builtins(t) for t in req.tools] if req.tools else None
+    try:
+        return tool_setup(tools, req.tool_choice, req.parallel_tool_calls, state.tool_format)
+    except ValueError as e:
+        message, param = e.args
+        raise InvalidRequest(message, param=param) from None
+
+
+async def tool_grammar(state: ServerState, grammar: str) -> str:
+    """A forced call's grammar, checked (a function's `parameters` may not compile)."""
+    grammars = state.model.grammars
+    try:
+        return await anyio.to_thread.run_sync(
+            grammars.validate, grammar, limiter=state.prompt_workers
+        )
+    except GrammarError as e:
+        raise InvalidRequest(f"tools: {e}", param="tools") from None

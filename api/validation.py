@@ -9,16 +9,26 @@ messages, stop strings.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from api.errors import InvalidRequest, Unsupported
-from api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from api.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingFields,
+    ToolCall,
+)
 from api.state import ServerState
 from engine.chat_template import RESERVED, ChatTemplate
 from engine.native_step import MAX_BIAS
 
 # role -> the role the chat template sees ("developer" is OpenAI's newer name for system)
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {
+    "system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+    "tool": "tool",
+}  # fmt: skip
 MAX_STOP_CHARS = 1000  # one stop string: matched against every streamed token's text
 
 
@@ -44,10 +54,6 @@ def refuse_unsupported(req: SamplingFields) -> None:
 
 
 def _refuse_chat_only(req: ChatCompletionRequest) -> None:
-    if not _asks_nothing(req.tools):
-        raise _refuse("tools", "tool calls")
-    if req.tool_choice not in (None, "none"):
-        raise _refuse("tool_choice", "tool calls")
     if not _asks_nothing(req.functions):
         raise _refuse("functions", "function calls")
     if req.function_call not in (None, "none"):
@@ -60,7 +66,7 @@ def _refuse_chat_only(req: ChatCompletionRequest) -> None:
         raise _refuse("prediction", "predicted outputs")
 
 
-def chat_messages(messages: list[ChatMessage], max_messages: int) -> list[dict[str, str]]:
+def chat_messages(messages: list[ChatMessage], max_messages: int) -> list[dict[str, Any]]:
     """The messages as the chat template takes them, text only; a 400 for a role, part or
     field that cannot be served, naming where it is."""
     if len(messages) > max_messages:
@@ -74,17 +80,40 @@ def chat_messages(messages: list[ChatMessage], max_messages: int) -> list[dict[s
         where = f"messages[{i}]"
         role = ROLES.get(m.role)
         if role is None:
-            if m.role in ("tool", "function"):
-                raise _refuse(f"{where}.role", f"role {m.role!r}: tool results")
+            if m.role == "function":
+                raise _refuse(f"{where}.role", "role 'function' (use 'tool')")
             raise InvalidRequest(
                 f"role {m.role!r} is not one of {', '.join(ROLES)}", param=f"{where}.role"
             )
-        if not _asks_nothing(m.tool_calls):
-            raise _refuse(f"{where}.tool_calls", "tool calls")
-        if m.tool_call_id is not None:
-            raise _refuse(f"{where}.tool_call_id", "tool results")
-        out.append({"role": role, "content": _text(m, where)})
+        msg: dict[str, Any] = {"role": role, "content": _text(m, where)}
+        if m.tool_calls:
+            if role != "assistant":
+                raise InvalidRequest("only assistant messages have tool_calls",
+                                     param=f"{where}.tool_calls")  # fmt: skip
+            msg["tool_calls"] = [_call_for_template(c, f"{where}.tool_calls[{j}]")
+                                 for j, c in enumerate(m.tool_calls)]  # fmt: skip
+        if role == "tool":
+            if m.tool_call_id is None:
+                raise InvalidRequest("a tool message needs tool_call_id",
+                                     param=f"{where}.tool_call_id")  # fmt: skip
+            msg["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                msg["name"] = m.name
+        out.append(msg)
     return out
+
+
+def _call_for_template(c: ToolCall, where: str) -> dict[str, Any]:
+    """A call as templates read it (transformers' convention): arguments as an object,
+    which templates write with `tojson` (a string would be written quoted)."""
+    try:
+        args = json.loads(c.function.arguments)
+    except ValueError:
+        raise InvalidRequest(
+            "arguments are not JSON", param=f"{where}.function.arguments"
+        ) from None
+    return {"id": c.id, "type": "function",
+            "function": {"name": c.function.name, "arguments": args}}  # fmt: skip
 
 
 def _text(m: ChatMessage, where: str) -> str:
@@ -154,8 +183,9 @@ def min_tokens(req: SamplingFields, max_tokens: int | None) -> int:
 
 
 def chat_rendering(
-    state: ServerState, req: ChatCompletionRequest, messages: list[dict[str, str]]
-) -> ChatTemplate:
+    state: ServerState, req: ChatCompletionRequest, messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+) -> ChatTemplate:  # fmt: skip
     """The server's template bound to this request's rendering options (vLLM's fields)."""
     if req.continue_final_message:
         if req.add_generation_prompt:
@@ -179,4 +209,5 @@ def chat_rendering(
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message,
         variables=kwargs,
+        tools=tools,
     )

@@ -68,6 +68,7 @@ class ChatTemplate:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     variables: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    tools: list[dict[str, Any]] | None = field(default=None, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         env = ImmutableSandboxedEnvironment(
@@ -80,7 +81,7 @@ class ChatTemplate:
 
     def bind(
         self, *, add_generation_prompt: bool = True, continue_final_message: bool = False,
-        variables: dict[str, Any] | None = None,
+        variables: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
     ) -> ChatTemplate:  # fmt: skip
         """This template with one request's options (the compiled template is shared)."""
         bound = object.__new__(ChatTemplate)
@@ -88,7 +89,8 @@ class ChatTemplate:
             ("source", self.source), ("bos_token", self.bos_token),
             ("eos_token", self.eos_token), ("add_generation_prompt", add_generation_prompt),
             ("continue_final_message", continue_final_message),
-            ("variables", dict(variables or {})), ("_tmpl", self._tmpl),  # type: ignore[attr-defined]
+            ("variables", dict(variables or {})), ("tools", tools),
+            ("_tmpl", self._tmpl),  # type: ignore[attr-defined]
         ):  # fmt: skip
             object.__setattr__(bound, name, value)
         return bound
@@ -115,6 +117,7 @@ class ChatTemplate:
             out: str = self._tmpl.render(  # type: ignore[attr-defined]
                 **variables,
                 messages=messages,
+                tools=self.tools,
                 add_generation_prompt=self.add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,

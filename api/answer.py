@@ -1,0 +1,53 @@
+"""One chat choice's generated text into what the response carries: reasoning (a model
+that thinks first, api.reasoning), content, and tool calls (api.tool_calls) — the same
+split whether the answer is streamed in pieces or returned whole."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from api.reasoning import ReasoningSplit
+from api.tool_calls import Call, ToolStream
+
+
+@dataclass
+class Parts:
+    reasoning: str = ""
+    content: str = ""
+    calls: list[Call] = field(default_factory=list)
+
+
+class AnswerSplit:
+    def __init__(self, reasoning_tail: str | None, tools: bool) -> None:
+        """`reasoning_tail`: the prompt's end, when reasoning is split off; `tools`: parse
+        tool calls out of the answer."""
+        self._reasoning = ReasoningSplit(reasoning_tail) if reasoning_tail is not None else None
+        self._tools = ToolStream() if tools else None
+        self.all = Parts()
+
+    def feed(self, text: str) -> Parts:
+        thought, answer = self._reasoning.feed(text) if self._reasoning else ("", text)
+        return self._answer(thought, answer)
+
+    def finish(self, reason: str) -> tuple[Parts, str]:
+        """What was held back, and the finish reason (`tool_calls` when calls were made)."""
+        thought, answer = self._reasoning.flush() if self._reasoning else ("", "")
+        parts = self._answer(thought, answer)
+        if self._tools is not None:
+            rest = self._tools.flush()
+            parts.content += rest
+            self.all.content += rest
+        if self.all.calls and reason == "stop":
+            reason = "tool_calls"
+        return parts, reason
+
+    def _answer(self, thought: str, answer: str) -> Parts:
+        out = Parts(thought)
+        if self._tools is None:
+            out.content = answer
+        else:
+            out.content, out.calls = self._tools.feed(answer)
+        self.all.reasoning += out.reasoning
+        self.all.content += out.content
+        self.all.calls += out.calls
+        return out

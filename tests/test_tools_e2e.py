@@ -1,0 +1,164 @@
+"""Tool calls through the server: a tiny generated model whose chat template writes the
+Hermes / Qwen format (`<tool_call>{…}</tool_call>`), the official `openai` client in
+strict response validation. A random-weight model never calls a tool by itself, so the
+calls here are the forced ones (`tool_choice` required or named: a grammar), which is
+also what shows that the arguments always fit the function's schema."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+from openai import OpenAI
+
+from bench.server_proc import Server, start_server
+from tests.tiny_gguf import write_llama
+
+pytestmark = pytest.mark.e2e
+
+HERMES = """\
+{%- if tools %}<|im_start|>system
+You may call these tools:
+<tools>
+{% for t in tools %}{{ t | tojson }}
+{% endfor %}</tools>
+Answer with <tool_call>{"name": ..., "arguments": ...}</tool_call> to call one.<|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>
+{% elif m.tool_calls %}<|im_start|>assistant
+{% for c in m.tool_calls %}<tool_call>
+{{ {"name": c.function.name, "arguments": c.function.arguments} | tojson }}
+</tool_call>{% endfor %}<|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+WEATHER: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TOOLS: Any = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"],
+        "additionalProperties": False}}},
+]  # fmt: skip
+ASK: Any = [{"role": "user", "content": "hello world"}]
+
+
+@pytest.fixture(scope="module")
+def tooled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    where = tmp_path_factory.mktemp("tools")
+    model = write_llama(where / "tooled.gguf", seed=4, chat_template=HERMES)
+    srv = start_server(
+        ["--model", str(model), "--served-model-name", "tooled", "--n-ctx", "4096"],
+        where / "server.log",
+    )
+    yield srv
+    srv.stop()
+
+
+def _client(server: Server) -> OpenAI:
+    return OpenAI(base_url=server.base_url, api_key="none", _strict_response_validation=True)
+
+
+def _schema(name: str) -> dict[str, Any]:
+    return next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
+
+
+def test_a_named_tool_choice_returns_that_call_with_valid_arguments(tooled: Server) -> None:
+    """Named: the answer is one call of that function, its arguments valid under its
+    schema, `finish_reason` `tool_calls`; streamed, the deltas add up to the same call."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    kw: dict[str, Any] = {"model": "tooled", "messages": ASK, "tools": TOOLS, "max_tokens": 200,
+                          "temperature": 0, "extra_body": {"cache_prompt": False},
+                          "tool_choice": named}  # fmt: skip
+    with _client(tooled) as c:
+        got = c.chat.completions.create(**kw)
+        chunks = list(c.chat.completions.create(**kw, stream=True))
+    choice = got.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    calls = choice.message.tool_calls or []
+    assert [call.function.name for call in calls] == ["get_weather"]  # type: ignore[union-attr]
+    args = json.loads(calls[0].function.arguments)  # type: ignore[union-attr]
+    jsonschema.validate(args, WEATHER)
+    assert calls[0].id.startswith("call_")
+    streamed = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+    assert [(t.function.name, t.function.arguments) for t in streamed] == [  # type: ignore[union-attr]
+        ("get_weather", calls[0].function.arguments)  # type: ignore[union-attr]
+    ]
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+
+
+def test_required_calls_one_of_the_tools_sampled_too(tooled: Server) -> None:
+    with _client(tooled) as c:
+        for seed in range(4):
+            got = c.chat.completions.create(
+                model="tooled", messages=ASK, tools=TOOLS, tool_choice="required",
+                parallel_tool_calls=False, max_tokens=200, temperature=1.0, seed=seed,
+            )  # fmt: skip
+            calls = got.choices[0].message.tool_calls or []
+            assert len(calls) == 1, got.choices[0].message
+            name = calls[0].function.name  # type: ignore[union-attr]
+            jsonschema.validate(json.loads(calls[0].function.arguments), _schema(name))  # type: ignore[union-attr]
+
+
+def test_a_conversation_with_a_call_and_its_result_continues(tooled: Server) -> None:
+    """The assistant's call and the tool's result render in the model's format (here:
+    the call as the template writes it, the result in a <tool_response>)."""
+    history: Any = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+         "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+    ]  # fmt: skip
+    with _client(tooled) as c:
+        plain = c.chat.completions.create(model="tooled", messages=ASK, tools=TOOLS, max_tokens=2)
+        after = c.chat.completions.create(
+            model="tooled", messages=history, tools=TOOLS, max_tokens=2
+        )
+    assert after.usage and plain.usage
+    assert after.usage.prompt_tokens > plain.usage.prompt_tokens + 20
+
+
+def test_tool_choice_none_renders_no_tools(tooled: Server) -> None:
+    with _client(tooled) as c:
+        none = c.chat.completions.create(
+            model="tooled", messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=2
+        )
+        auto = c.chat.completions.create(model="tooled", messages=ASK, tools=TOOLS, max_tokens=2)
+    assert none.usage and auto.usage
+    assert none.usage.prompt_tokens < auto.usage.prompt_tokens
+    assert none.choices[0].message.tool_calls is None
+
+
+def test_what_cannot_be_served_is_a_400_naming_it(tooled: Server, server: Server) -> None:
+    cases: list[tuple[Server, dict[str, Any], str]] = [
+        (tooled, {"tools": TOOLS, "tool_choice": {"type": "function",
+                                                  "function": {"name": "nope"}}}, "tool_choice"),
+        (tooled, {"tool_choice": "required"}, "tool_choice"),
+        (tooled, {"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+         "tools[0].function.name"),
+        (server, {"tools": TOOLS}, "tools"),  # Gemma's template has no tool format
+    ]  # fmt: skip
+    for srv, extra, param in cases:
+        model = "tooled" if srv is tooled else "gemma-3-270m"
+        with _client(srv) as c, pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=model, messages=ASK, max_tokens=2, **extra)
+        assert e.value.body["param"] == param  # type: ignore[index]
