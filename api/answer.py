@@ -18,11 +18,11 @@ class Parts:
 
 
 class AnswerSplit:
-    def __init__(self, reasoning_tail: str | None, tools: bool) -> None:
-        """`reasoning_tail`: the prompt's end, when reasoning is split off; `tools`: parse
-        tool calls out of the answer."""
+    def __init__(self, reasoning_tail: str | None, tool_format: str | None) -> None:
+        """`reasoning_tail`: the prompt's end, when reasoning is split off; `tool_format`:
+        parse tool calls in that format out of the answer."""
         self._reasoning = ReasoningSplit(reasoning_tail) if reasoning_tail is not None else None
-        self._tools = ToolStream() if tools else None
+        self._tools = ToolStream(tool_format) if tool_format else None
         self.all = Parts()
 
     def feed(self, text: str) -> Parts:

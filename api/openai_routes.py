@@ -238,7 +238,7 @@ async def chat_completions(request: Request) -> Response:
     tail = prompt_tail(state, ids) if state.reasoning else None
 
     def split() -> AnswerSplit:
-        return AnswerSplit(tail, tools.parse)
+        return AnswerSplit(tail, state.tool_format if tools.parse else None)
 
     async def frames() -> AsyncIterator[bytes]:
         yield chunk([ChunkChoice(i, Delta(role="assistant", content="")) for i in range(req.n)])

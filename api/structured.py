@@ -11,6 +11,8 @@ Compiling runs on a worker thread: the first one builds the vocabulary's token t
 
 from __future__ import annotations
 
+import json
+from functools import partial
 from typing import Any
 
 import anyio
@@ -75,7 +77,10 @@ def request_tools(
                 )
     tools = [msgspec.to_builtins(t) for t in req.tools] if req.tools else None
     try:
-        return tool_setup(tools, req.tool_choice, req.parallel_tool_calls, state.tool_format)
+        return tool_setup(
+            tools, req.tool_choice, req.parallel_tool_calls, state.tool_format,
+            partial(_literal, state), "function<｜tool▁sep｜>" in state.template.source,
+        )  # fmt: skip
     except ValueError as e:
         message, param = e.args
         raise InvalidRequest(message, param=param) from None
@@ -90,3 +95,12 @@ async def tool_grammar(state: ServerState, grammar: str) -> str:
         )
     except GrammarError as e:
         raise InvalidRequest(f"tools: {e}", param="tools") from None
+
+
+def _literal(state: ServerState, text: str) -> str:
+    """Fixed text of a call's format as a lark terminal: by id where it is one special
+    token in this vocabulary (what the model was trained to write), else quoted."""
+    ids = state.model.tokenize(text, add_special=False, parse_special=True)
+    if len(ids) == 1 and state.model.grammar_special(ids[0]):
+        return f"<[{ids[0]}]>"
+    return json.dumps(text, ensure_ascii=False)

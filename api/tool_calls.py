@@ -5,7 +5,8 @@ calls and results in the model's own format; the model answers with text in that
 which this module finds and turns into `message.tool_calls` (streamed: `tool_calls`
 deltas), `finish_reason` `tool_calls`. The format comes from the template
 (`--tool-call-parser auto`) or is named. Served today: `hermes` — Qwen 2.5/3, Hermes 2/3
-and the many templates that write `<tool_call>{"name": …, "arguments": {…}}</tool_call>`.
+and the many templates that write `<tool_call>{"name": …, "arguments": {…}}</tool_call>`;
+`deepseek_v3` — DeepSeek V3, R1 and V3.1, `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>…`.
 A model whose template has no format the server knows refuses `tools` by name (a 400),
 never answers as if it had none.
 
@@ -20,17 +21,38 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-HERMES = "hermes"
-FORMATS = (HERMES,)
+HERMES, DEEPSEEK_V3 = "hermes", "deepseek_v3"
+FORMATS = (HERMES, DEEPSEEK_V3)
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+DS_CALLS, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_OPEN, DS_SEP, DS_CLOSE = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+
+
+@dataclass(frozen=True, slots=True)
+class Format:
+    """Where a model's calls are in its text: content ends at `begin`, each call's body
+    lies between `open` and `close`."""
+
+    name: str
+    begin: str
+    open: str
+    close: str
+
+
+FORMAT = {
+    HERMES: Format(HERMES, OPEN, OPEN, CLOSE),
+    DEEPSEEK_V3: Format(DEEPSEEK_V3, DS_CALLS, DS_OPEN, DS_CLOSE),
+}
 
 
 def detect(template_source: str) -> str | None:
     """The tool-call format a chat template writes, if the server knows it."""
+    if DS_OPEN in template_source:
+        return DEEPSEEK_V3
     if OPEN in template_source and "tools" in template_source:
         return HERMES
     return None
@@ -43,7 +65,33 @@ class Call:
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
 
-def _call(body: str) -> Call | None:
+def _call(fmt: Format, body: str) -> Call | None:
+    """One call's body in `fmt` as a call; None when it is not one."""
+    if fmt.name == DEEPSEEK_V3:
+        return _deepseek_call(body)
+    return _json_call(body)
+
+
+def _deepseek_call(body: str) -> Call | None:
+    """`name<｜tool▁sep｜>{args}` (V3.1), or `function<｜tool▁sep｜>name` and the arguments
+    in a ```json block (V3, R1)."""
+    head, sep, rest = body.partition(DS_SEP)
+    if not sep:
+        return None
+    name, args = head.strip(), rest.strip()
+    if name == "function":
+        name, _, args = rest.partition("\n")
+        args = args.strip().removeprefix("```json").removesuffix("```").strip()
+    try:
+        value = json.loads(args)
+    except ValueError:
+        return None
+    if not name or not isinstance(value, dict):
+        return None
+    return Call(name.strip(), json.dumps(value, ensure_ascii=False))
+
+
+def _json_call(body: str) -> Call | None:
     try:
         obj = json.loads(body)
     except ValueError:
@@ -55,10 +103,10 @@ def _call(body: str) -> Call | None:
     return Call(obj["name"], text)
 
 
-def parse(text: str) -> tuple[str, list[Call]]:
+def parse(text: str, fmt: str = HERMES) -> tuple[str, list[Call]]:
     """The content (text before the first call) and the calls: what a stream of this
     text gives, so streamed and whole answers agree."""
-    split = ToolStream()
+    split = ToolStream(fmt)
     split.feed(text)
     split.flush()
     return split.content, split.calls
@@ -70,44 +118,54 @@ class ToolStream:
     Text after the calls is dropped; a call that is not well-formed, or not finished
     when the answer ends, is content (a malformed call is shown, not lost)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fmt: str = HERMES) -> None:
+        self._fmt = FORMAT[fmt]
         self._held = ""
+        self._begun = False  # past the start of the calls (content ends there)
         self._in_call = False
         self.calls: list[Call] = []
         self.content = ""
 
     def feed(self, text: str) -> tuple[str, list[Call]]:
         """The content and the calls that `text` settles."""
+        f = self._fmt
         buf, self._held = self._held + text, ""
         out, new = "", list[Call]()
         while buf:
-            if not self._in_call:
-                at = buf.find(OPEN)
+            if not self._begun:
+                at = buf.find(f.begin)
                 if at < 0:
-                    keep = _partial_suffix(buf, OPEN)
-                    out += buf[: len(buf) - keep] if not (self.calls or new) else ""
+                    keep = _partial_suffix(buf, f.begin)
+                    out += buf[: len(buf) - keep]
                     self._held = buf[len(buf) - keep :]
                     break
-                out += buf[:at] if not (self.calls or new) else ""
+                out += buf[:at]
+                buf, self._begun = buf[at:], True
+            if not self._in_call:
+                at = buf.find(f.open)
+                if at < 0:
+                    self._held = buf[len(buf) - _partial_suffix(buf, f.open) :]
+                    break
                 buf, self._in_call = buf[at:], True
-            end = buf.find(CLOSE)
+            end = buf.find(f.close)
             if end < 0:
                 self._held = buf
                 break
-            c = _call(buf[len(OPEN) : end].strip())
+            c = _call(f, buf[len(f.open) : end].strip())
             if c is None:
-                out += buf[: end + len(CLOSE)]
+                out += buf[: end + len(f.close)]
             else:
                 new.append(c)
-            buf, self._in_call = buf[end + len(CLOSE) :], False
+            buf, self._in_call = buf[end + len(f.close) :], False
         self.calls += new
         self.content += out
         return out, new
 
     def flush(self) -> str:
-        """At the end: an unfinished call is content (text held after calls is not)."""
+        """At the end: an unfinished call (or the start of one) is content; text held
+        after finished calls is not."""
         held, self._held = self._held, ""
-        if not (self._in_call or not self.calls):
+        if self.calls and not self._in_call:
             return ""
         self.content += held
         return held
@@ -120,27 +178,57 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def forced_grammar(tools: list[dict[str, Any]], name: str | None, parallel: bool) -> str:
+def forced_grammar(
+    tools: list[dict[str, Any]], name: str | None, parallel: bool, fmt: str,
+    literal: Callable[[str], str] | None = None, old_deepseek: bool = False,
+) -> str:  # fmt: skip
     """A lark grammar (llguidance) for `tool_choice` required (`name` None: any of
-    `tools`) or named: one call, or several with `parallel`, each
-    `<tool_call>\\n{"name": …, "arguments": {…}}\\n</tool_call>` with arguments valid
-    under the function's parameters."""
-    options = []
-    for t in tools:
-        f = t["function"]
+    `tools`) or named: one call, or several with `parallel`, written as `fmt` writes it,
+    the arguments valid under the function's parameters. `literal` writes a fixed piece
+    of text as a lark terminal (a special token by its id, so the model writes the token
+    it was trained on); `old_deepseek`: V3/R1's `function<sep>name` and ```json block."""
+    literal = literal or _quoted
+    rules: list[str] = []
+    for f in (t["function"] for t in tools):
         if name is not None and f["name"] != name:
             continue
-        options.append({
-            "type": "object",
-            "properties": {"name": {"const": f["name"]},
-                           "arguments": f.get("parameters") or {"type": "object"}},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        })  # fmt: skip
-    schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
-    schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
-    call = f'"{OPEN}\\n" %json {json.dumps(schema)} "\\n{CLOSE}"'
-    return f"start: call{'+' if parallel else ''}\ncall: {call}\n"
+        params = {**(f.get("parameters") or {"type": "object"}), **_TIGHT}
+        if fmt == HERMES:
+            obj = {
+                "type": "object",
+                "properties": {"name": {"const": f["name"]}, "arguments": params},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+                **_TIGHT,
+            }
+            body = f'{literal(OPEN)} "\\n" %json {json.dumps(obj)} "\\n" {literal(CLOSE)}'
+        elif old_deepseek:
+            body = (
+                f'{literal(DS_OPEN)} "function" {literal(DS_SEP)} {json.dumps(f["name"])} '
+                f'"\\n```json\\n" %json {json.dumps(params)} "\\n```" {literal(DS_CLOSE)}'
+            )
+        else:
+            body = (
+                f"{literal(DS_OPEN)} {json.dumps(f['name'])} {literal(DS_SEP)} "
+                f"%json {json.dumps(params)} {literal(DS_CLOSE)}"
+            )
+        rules.append(f"call_{len(rules)}: {body}")
+    calls = "call+" if parallel else "call"
+    start = (
+        f"start: {calls}"
+        if fmt == HERMES
+        else f"start: {literal(DS_CALLS)} {calls} {literal(DS_CALLS_END)}"
+    )
+    alternatives = " | ".join(f"call_{k}" for k in range(len(rules)))
+    return "\n".join([start, f"call: {alternatives}", *rules]) + "\n"
+
+
+_TIGHT = {"x-guidance": {"whitespace_flexible": False}}
+
+
+def _quoted(text: str) -> str:
+    """Text as a lark string."""
+    return json.dumps(text, ensure_ascii=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +245,7 @@ _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
 def tool_setup(
     tools: list[dict[str, Any]] | None, choice: str | dict[str, Any] | None, parallel: bool,
-    fmt: str | None,
+    fmt: str | None, literal: Callable[[str], str] | None = None, old_deepseek: bool = False,
 ) -> ToolSetup:  # fmt: skip
     """`ValueError(message, param)` for what cannot be served."""
     if not tools:
@@ -179,7 +267,8 @@ def tool_setup(
     if choice in (None, "auto"):
         return ToolSetup(tools, parse=True)
     if choice == "required":
-        return ToolSetup(tools, parse=True, grammar=forced_grammar(tools, None, parallel))
+        grammar = forced_grammar(tools, None, parallel, fmt, literal, old_deepseek)
+        return ToolSetup(tools, parse=True, grammar=grammar)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(name, str):
         raise ValueError(
@@ -188,4 +277,5 @@ def tool_setup(
         )  # fmt: skip
     if all(t["function"]["name"] != name for t in tools):
         raise ValueError(f"tool_choice names {name!r}, which is not in tools", "tool_choice")
-    return ToolSetup(tools, parse=True, grammar=forced_grammar(tools, name, parallel=False))
+    grammar = forced_grammar(tools, name, False, fmt, literal, old_deepseek)
+    return ToolSetup(tools, parse=True, grammar=grammar)

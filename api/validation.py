@@ -103,17 +103,37 @@ def chat_messages(messages: list[ChatMessage], max_messages: int) -> list[dict[s
     return out
 
 
+class TemplateArguments(dict[str, Any]):
+    """A call's arguments as templates read them: an object for those that write it with
+    `tojson` (transformers' convention; Qwen's), its JSON text for those that add it to a
+    string or print it (DeepSeek's)."""
+
+    def __init__(self, text: str, value: dict[str, Any]) -> None:
+        super().__init__(value)
+        self._text = text
+
+    def __str__(self) -> str:
+        return self._text
+
+    def __add__(self, other: object) -> str:
+        return self._text + str(other)
+
+    def __radd__(self, other: object) -> str:
+        return str(other) + self._text
+
+
 def _call_for_template(c: ToolCall, where: str) -> dict[str, Any]:
-    """A call as templates read it (transformers' convention): arguments as an object,
-    which templates write with `tojson` (a string would be written quoted)."""
+    """A call as templates read it; arguments as `TemplateArguments`."""
+    param = f"{where}.function.arguments"
     try:
         args = json.loads(c.function.arguments)
     except ValueError:
-        raise InvalidRequest(
-            "arguments are not JSON", param=f"{where}.function.arguments"
-        ) from None
+        raise InvalidRequest("arguments are not JSON", param=param) from None
+    if not isinstance(args, dict):
+        raise InvalidRequest("arguments are not a JSON object", param=param)
     return {"id": c.id, "type": "function",
-            "function": {"name": c.function.name, "arguments": args}}  # fmt: skip
+            "function": {"name": c.function.name,
+                         "arguments": TemplateArguments(c.function.arguments, args)}}  # fmt: skip
 
 
 def _text(m: ChatMessage, where: str) -> str:

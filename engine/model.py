@@ -145,16 +145,25 @@ class Model:
         """Every token's bytes as llguidance reads them: special tokens (CONTROL, and
         USER_DEFINED ones written like `<tag>`) by name behind a 0xFF byte, so a grammar
         can name them and text never matches them."""
-        ll, vocab = self.ll, self.vocab
-        control, user = ll.LLAMA_TOKEN_ATTR_CONTROL, ll.LLAMA_TOKEN_ATTR_USER_DEFINED
         out = []
         for t in range(self.n_vocab):
             piece = self._render(t, special=True)
-            attr = ll.llama_vocab_get_attr(vocab, t)
-            if attr & control or (attr & user and piece[:1] == b"<" and piece[-1:] == b">"):
-                piece = b"\xff" + piece
-            out.append(piece)
+            out.append(b"\xff" + piece if self.grammar_special(t, piece) else piece)
         return out
+
+    def grammar_special(self, token: int, piece: bytes | None = None) -> bool:
+        """Whether grammars see `token` as a special token (named `<[id]>`, never matched
+        by text): CONTROL tokens, and USER_DEFINED ones written like a tag."""
+        ll = self.ll
+        attr = ll.llama_vocab_get_attr(self.vocab, token)
+        if attr & ll.LLAMA_TOKEN_ATTR_CONTROL:
+            return True
+        piece = self._render(token, special=True) if piece is None else piece
+        return (
+            bool(attr & ll.LLAMA_TOKEN_ATTR_USER_DEFINED)
+            and piece[:1] == b"<"
+            and piece[-1:] == b">"
+        )
 
     def is_control(self, token: int) -> bool:
         """Whether llama.cpp matches this token by its text only when `parse_special` is set

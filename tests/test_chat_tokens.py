@@ -83,8 +83,8 @@ def _tiny_variant(path: Path, extra_controls: list[str], name_prefix: str = "") 
     """The tiny llama with more control tokens and a name prefix (llama.cpp sets some token
     attributes by model name)."""
 
-    def vocab() -> tuple[list[str], list[float], list[int]]:
-        tokens, scores, types = plain_vocab()
+    def vocab(user_tokens: tuple[str, ...] = ()) -> tuple[list[str], list[float], list[int]]:
+        tokens, scores, types = plain_vocab(user_tokens)
         n = len(extra_controls)
         control = int(gguf.TokenType.CONTROL)
         return [*tokens, *extra_controls], [*scores, *[0.0] * n], [*types, *[control] * n]

@@ -51,6 +51,49 @@ def test_a_forced_call_grammar_names_the_function_and_its_schema() -> None:
     tools = [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}},
         {"type": "function", "function": {"name": "g"}}]  # fmt: skip
-    g = forced_grammar(tools, "f", parallel=False)
+    g = forced_grammar(tools, "f", False, "hermes")
     assert '"const": "f"' in g and '"g"' not in g and "call+" not in g
-    assert "anyOf" in forced_grammar(tools, None, parallel=True)
+    both = forced_grammar(tools, None, True, "hermes")
+    assert "call+" in both and "call: call_0 | call_1" in both
+
+
+V31 = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}'
+       '<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"tz": "CET"}'
+       "<｜tool▁call▁end｜><｜tool▁calls▁end｜>")  # fmt: skip
+V3 = ("Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+      '```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [(V31, "", [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]),
+     (V3, "Checking.", [("get_weather", {"city": "Paris"})]),
+     ("No call.", "No call.", [])],
+)  # fmt: skip
+def test_deepseek_calls_v3_and_v3_1_in_any_cut(
+    text: str, content: str, calls: list[tuple[str, dict[str, str]]]
+) -> None:
+    got_content, got = parse(text, "deepseek_v3")
+    assert got_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+    rng = random.Random(7)
+    for _ in range(100):
+        cuts = sorted(rng.sample(range(1, len(text)), k=rng.randint(0, min(8, len(text) - 1))))
+        split = ToolStream("deepseek_v3")
+        streamed, found = "", []
+        for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
+            out, new = split.feed(text[a:b])
+            streamed, found = streamed + out, found + new
+        streamed += split.flush()
+        assert streamed == content
+        assert [c.arguments for c in found] == [c.arguments for c in got]
+
+
+def test_deepseek_is_detected_and_its_forced_call_is_in_its_own_syntax() -> None:
+    assert detect("{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + name}}") == "deepseek_v3"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    g = forced_grammar(tools, "f", False, "deepseek_v3")
+    assert g.startswith('start: "<｜tool▁calls▁begin｜>" call "<｜tool▁calls▁end｜>"')
+    assert '"f" "<｜tool▁sep｜>" %json' in g
+    old = forced_grammar(tools, "f", False, "deepseek_v3", old_deepseek=True)
+    assert '"function" "<｜tool▁sep｜>" "f"' in old and "```json" in old

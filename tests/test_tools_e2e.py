@@ -44,6 +44,20 @@ Answer with <tool_call>{"name": ..., "arguments": ...}</tool_call> to call one.<
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
 
+# DeepSeek V3.1's way of writing calls (the arguments added to a string as JSON text)
+DEEPSEEK = """\
+{{ bos_token }}{% for m in messages %}{% if m.role == 'system' %}{{ m.content }}{% endif %}\
+{% endfor %}{% if tools %}## Tools
+{% for t in tools %}{{ t.function | tojson }}
+{% endfor %}{% endif %}{% for m in messages %}{% if m.role == 'user' %}<｜User｜>{{ m.content }}\
+{% elif m.role == 'assistant' and m.tool_calls %}<｜Assistant｜><｜tool▁calls▁begin｜>\
+{% for c in m.tool_calls %}<｜tool▁call▁begin｜>\
+{{ c.function.name + '<｜tool▁sep｜>' + c.function.arguments }}<｜tool▁call▁end｜>{% endfor %}\
+<｜tool▁calls▁end｜><｜end▁of▁sentence｜>{% elif m.role == 'assistant' %}<｜Assistant｜>\
+{{ m.content }}<｜end▁of▁sentence｜>{% elif m.role == 'tool' %}<｜tool▁output▁begin｜>\
+{{ m.content }}<｜tool▁output▁end｜>{% endif %}{% endfor %}\
+{% if add_generation_prompt %}<｜Assistant｜>{% endif %}"""
+
 WEATHER: dict[str, Any] = {
     "type": "object",
     "properties": {
@@ -62,14 +76,32 @@ TOOLS: Any = [
 ASK: Any = [{"role": "user", "content": "hello world"}]
 
 
-@pytest.fixture(scope="module")
-def tooled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    where = tmp_path_factory.mktemp("tools")
-    model = write_llama(where / "tooled.gguf", seed=4, chat_template=HERMES)
-    srv = start_server(
+def _serve_template(where: Any, template: str, user_tokens: tuple[str, ...] = ()) -> Server:
+    model = write_llama(
+        where / "tooled.gguf", seed=4, chat_template=template, user_tokens=user_tokens
+    )
+    return start_server(
         ["--model", str(model), "--served-model-name", "tooled", "--n-ctx", "4096"],
         where / "server.log",
     )
+
+
+@pytest.fixture(scope="module")
+def tooled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    srv = _serve_template(tmp_path_factory.mktemp("tools"), HERMES)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    # its markers are tokens of their own, as in DeepSeek's vocabulary
+    markers = (
+        "<｜User｜>", "<｜Assistant｜>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
+        "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>",
+        "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>", "<｜end▁of▁sentence｜>",
+    )  # fmt: skip
+    srv = _serve_template(tmp_path_factory.mktemp("deepseek"), DEEPSEEK, markers)
     yield srv
     srv.stop()
 
@@ -162,3 +194,30 @@ def test_what_cannot_be_served_is_a_400_naming_it(tooled: Server, server: Server
         with _client(srv) as c, pytest.raises(openai.BadRequestError) as e:
             c.chat.completions.create(model=model, messages=ASK, max_tokens=2, **extra)
         assert e.value.body["param"] == param  # type: ignore[index]
+
+
+def test_deepseek_format_calls_and_conversations(deepseek: Server) -> None:
+    """A DeepSeek V3.1 style template: the forced call is written in its syntax and comes
+    back as tool_calls with valid arguments; a conversation with a call (its arguments
+    added to the template's text as JSON) and the tool's output renders and continues."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    with _client(deepseek) as c:
+        got = c.chat.completions.create(
+            model="tooled", messages=ASK, tools=TOOLS, tool_choice=named, max_tokens=300,
+            temperature=0,
+        )  # fmt: skip
+        calls = got.choices[0].message.tool_calls or []
+        assert got.choices[0].finish_reason == "tool_calls"
+        assert [call.function.name for call in calls] == ["get_weather"]  # type: ignore[union-attr]
+        args = calls[0].function.arguments  # type: ignore[union-attr]
+        jsonschema.validate(json.loads(args), WEATHER)
+        history: Any = [
+            *ASK,
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1",
+             "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+        ]  # fmt: skip
+        after = c.chat.completions.create(model="tooled", messages=history, max_tokens=2)
+        plain = c.chat.completions.create(model="tooled", messages=ASK, max_tokens=2)
+    assert after.usage and plain.usage
+    assert after.usage.prompt_tokens > plain.usage.prompt_tokens + 20  # the call and its output

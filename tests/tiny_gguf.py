@@ -66,8 +66,10 @@ class Shape:
     n_ctx_train: int = 4096
 
 
-def vocab() -> tuple[list[str], list[float], list[int]]:
-    """Tokens, scores and token types of the tiny SPM vocabulary (ids are list indices)."""
+def vocab(user_tokens: tuple[str, ...] = ()) -> tuple[list[str], list[float], list[int]]:
+    """Tokens, scores and token types of the tiny SPM vocabulary (ids are list indices);
+    `user_tokens` are added last as USER_DEFINED (how converters store a model's added,
+    non-special tokens, e.g. DeepSeek's tool-call markers)."""
     T = gguf.TokenType
     tokens = ["<unk>", "<s>", "</s>"]
     types = [T.UNKNOWN, T.CONTROL, T.CONTROL]
@@ -88,6 +90,8 @@ def vocab() -> tuple[list[str], list[float], list[int]]:
             seen.add(p)
             tokens.append(p)
             types.append(T.NORMAL)
+    tokens += list(user_tokens)
+    types += [T.USER_DEFINED] * len(user_tokens)
     # SPM merges the adjacent pair with the highest score first: prefer longer pieces.
     scores = [
         0.0 if t != T.NORMAL else float(len(tok)) for tok, t in zip(tokens, types, strict=True)
@@ -102,9 +106,12 @@ def write_llama(
     seed: int = 0,
     wtype: WeightType = "f32",
     shape: Shape | None = None,
+    user_tokens: tuple[str, ...] = (),
 ) -> Path:
     """A dense `llama`-arch model; `chat_template` is stored as `tokenizer.chat_template`."""
-    return _write("llama", Path(path), shape or Shape(), seed, wtype, chat_template)
+    return _write(
+        "llama", Path(path), shape or Shape(), seed, wtype, chat_template, user_tokens=user_tokens
+    )
 
 
 def write_qwen3moe(
@@ -131,8 +138,9 @@ def _write(
     wtype: WeightType,
     chat_template: str | None,
     split_max_tensors: int = 0,
+    user_tokens: tuple[str, ...] = (),
 ) -> Path:
-    tokens, scores, types = vocab()
+    tokens, scores, types = vocab(user_tokens)
     n_vocab = len(tokens)
     rng = np.random.default_rng(seed)
     dt = np.float16 if wtype == "f16" else np.float32
