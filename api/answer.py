@@ -34,9 +34,11 @@ class AnswerSplit:
         thought, answer = self._reasoning.flush() if self._reasoning else ("", "")
         parts = self._answer(thought, answer)
         if self._tools is not None:
-            rest = self._tools.flush()
+            rest, calls = self._tools.flush()
             parts.content += rest
+            parts.calls += calls
             self.all.content += rest
+            self.all.calls += calls
         if self.all.calls and reason == "stop":
             reason = "tool_calls"
         return parts, reason

@@ -80,6 +80,7 @@ def request_tools(
         return tool_setup(
             tools, req.tool_choice, req.parallel_tool_calls, state.tool_format,
             partial(_literal, state), "function<｜tool▁sep｜>" in state.template.source,
+            "[ARGS]" in state.template.source,
         )  # fmt: skip
     except ValueError as e:
         message, param = e.args

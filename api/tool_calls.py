@@ -25,27 +25,34 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-HERMES, DEEPSEEK_V3 = "hermes", "deepseek_v3"
-FORMATS = (HERMES, DEEPSEEK_V3)
+HERMES, DEEPSEEK_V3, MISTRAL, LLAMA3 = "hermes", "deepseek_v3", "mistral", "llama3_json"
+FORMATS = (HERMES, DEEPSEEK_V3, MISTRAL, LLAMA3)
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 DS_CALLS, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 DS_OPEN, DS_SEP, DS_CLOSE = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
 
 
+MS_CALLS, PY_TAG = "[TOOL_CALLS]", "<|python_tag|>"
+
+
 @dataclass(frozen=True, slots=True)
 class Format:
-    """Where a model's calls are in its text: content ends at `begin`, each call's body
-    lies between `open` and `close`."""
+    """Where a model's calls are in its text: content ends at `begin`; each call's body
+    lies between `open` and `close`, or (no `open`) the calls are all the rest of the
+    answer, parsed when it ends; `json_start`: an answer that starts with `{` is a call."""
 
     name: str
     begin: str
-    open: str
-    close: str
+    open: str = ""
+    close: str = ""
+    json_start: bool = False
 
 
 FORMAT = {
     HERMES: Format(HERMES, OPEN, OPEN, CLOSE),
     DEEPSEEK_V3: Format(DEEPSEEK_V3, DS_CALLS, DS_OPEN, DS_CLOSE),
+    MISTRAL: Format(MISTRAL, MS_CALLS),
+    LLAMA3: Format(LLAMA3, PY_TAG, json_start=True),
 }
 
 
@@ -53,9 +60,43 @@ def detect(template_source: str) -> str | None:
     """The tool-call format a chat template writes, if the server knows it."""
     if DS_OPEN in template_source:
         return DEEPSEEK_V3
+    if MS_CALLS in template_source:
+        return MISTRAL
     if OPEN in template_source and "tools" in template_source:
         return HERMES
+    if "tools" in template_source and ("ipython" in template_source or PY_TAG in template_source):
+        return LLAMA3
     return None
+
+
+def _rest(fmt: Format, text: str) -> list[Call] | None:
+    """The calls that make up the rest of an answer in `fmt` (no `open`); None if not."""
+    text = text.strip()
+    if fmt.name == MISTRAL:
+        if text.startswith("["):  # [{"name": …, "arguments": …}, …] (v0.3)
+            try:
+                items = json.loads(text)
+            except ValueError:
+                return None
+            calls = [_json_call(json.dumps(i)) if isinstance(i, dict) else None for i in items]
+        else:  # name[ARGS]{…} per call (v7 tokenizers)
+            calls = []
+            for part in text.split(MS_CALLS):
+                name, sep, args = part.partition("[ARGS]")
+                if not sep:
+                    return None
+                calls.append(_json_call(json.dumps({"name": name.strip(), "arguments":
+                                                    _loads(args)})))  # fmt: skip
+        return None if not calls or None in calls else [c for c in calls if c is not None]
+    calls = [_json_call(part) for part in text.split(";")]  # llama3: one JSON (or a; b)
+    return None if None in calls else [c for c in calls if c is not None]
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +164,7 @@ class ToolStream:
         self._held = ""
         self._begun = False  # past the start of the calls (content ends there)
         self._in_call = False
+        self._tail = ""  # formats without `open`: the answer after `begin`
         self.calls: list[Call] = []
         self.content = ""
 
@@ -131,7 +173,16 @@ class ToolStream:
         f = self._fmt
         buf, self._held = self._held + text, ""
         out, new = "", list[Call]()
+        if f.json_start and not self._begun and not self.content:
+            if not buf.strip():
+                self._held = buf  # only whitespace so far: a call may still start
+                return "", []
+            if buf.lstrip().startswith("{"):
+                self._begun, self._tail = True, ""
         while buf:
+            if self._begun and not f.open:
+                self._tail += buf  # the rest of the answer is the calls: parsed at the end
+                break
             if not self._begun:
                 at = buf.find(f.begin)
                 if at < 0:
@@ -141,6 +192,10 @@ class ToolStream:
                     break
                 out += buf[:at]
                 buf, self._begun = buf[at:], True
+                if not f.open:
+                    self._tail = ""
+                    buf = buf[len(f.begin) :]
+                    continue
             if not self._in_call:
                 at = buf.find(f.open)
                 if at < 0:
@@ -161,14 +216,24 @@ class ToolStream:
         self.content += out
         return out, new
 
-    def flush(self) -> str:
-        """At the end: an unfinished call (or the start of one) is content; text held
-        after finished calls is not."""
+    def flush(self) -> tuple[str, list[Call]]:
+        """At the end: the calls of a format that has them last; an unfinished call (or
+        the start of one) is content; text held after finished calls is not."""
         held, self._held = self._held, ""
+        f = self._fmt
+        if self._begun and not f.open:
+            calls = _rest(f, self._tail + held)
+            if calls is not None:
+                self.calls += calls
+                return "", calls
+            text = ("" if f.json_start and not self.content and self._tail.lstrip()
+                    .startswith("{") else f.begin) + self._tail + held  # fmt: skip
+            self.content += text
+            return text, []
         if self.calls and not self._in_call:
-            return ""
+            return "", []
         self.content += held
-        return held
+        return held, []
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -181,27 +246,29 @@ def _partial_suffix(text: str, tag: str) -> int:
 def forced_grammar(
     tools: list[dict[str, Any]], name: str | None, parallel: bool, fmt: str,
     literal: Callable[[str], str] | None = None, old_deepseek: bool = False,
+    args_style: bool = False,
 ) -> str:  # fmt: skip
     """A lark grammar (llguidance) for `tool_choice` required (`name` None: any of
     `tools`) or named: one call, or several with `parallel`, written as `fmt` writes it,
     the arguments valid under the function's parameters. `literal` writes a fixed piece
     of text as a lark terminal (a special token by its id, so the model writes the token
-    it was trained on); `old_deepseek`: V3/R1's `function<sep>name` and ```json block."""
+    it was trained on); `old_deepseek`: V3/R1's `function<sep>name` and ```json block;
+    `args_style`: Mistral's `name[ARGS]{…}` (v7 tokenizers) rather than a JSON list."""
     literal = literal or _quoted
     rules: list[str] = []
     for f in (t["function"] for t in tools):
         if name is not None and f["name"] != name:
             continue
         params = {**(f.get("parameters") or {"type": "object"}), **_TIGHT}
+        key = "parameters" if fmt == LLAMA3 else "arguments"
+        named = {"type": "object", "properties": {"name": {"const": f["name"]}, key: params},
+                 "required": ["name", key], "additionalProperties": False, **_TIGHT}  # fmt: skip
         if fmt == HERMES:
-            obj = {
-                "type": "object",
-                "properties": {"name": {"const": f["name"]}, "arguments": params},
-                "required": ["name", "arguments"],
-                "additionalProperties": False,
-                **_TIGHT,
-            }
-            body = f'{literal(OPEN)} "\\n" %json {json.dumps(obj)} "\\n" {literal(CLOSE)}'
+            body = f'{literal(OPEN)} "\\n" %json {json.dumps(named)} "\\n" {literal(CLOSE)}'
+        elif fmt == LLAMA3 or (fmt == MISTRAL and not args_style):
+            body = f"%json {json.dumps(named)}"
+        elif fmt == MISTRAL:
+            body = f"{json.dumps(f['name'])} {literal('[ARGS]')} %json {json.dumps(params)}"
         elif old_deepseek:
             body = (
                 f'{literal(DS_OPEN)} "function" {literal(DS_SEP)} {json.dumps(f["name"])} '
@@ -214,11 +281,17 @@ def forced_grammar(
             )
         rules.append(f"call_{len(rules)}: {body}")
     calls = "call+" if parallel else "call"
-    start = (
-        f"start: {calls}"
-        if fmt == HERMES
-        else f"start: {literal(DS_CALLS)} {calls} {literal(DS_CALLS_END)}"
-    )
+    if fmt == HERMES:
+        start = f"start: {calls}"
+    elif fmt == LLAMA3:
+        start = "start: call"  # (one JSON answer)
+    elif fmt == MISTRAL and args_style:
+        start = f"start: ({literal(MS_CALLS)} call){'+' if parallel else ''}"
+    elif fmt == MISTRAL:
+        more = ' ("," call)*' if parallel else ""
+        start = f'start: {literal(MS_CALLS)} "[" call{more} "]"'
+    else:
+        start = f"start: {literal(DS_CALLS)} {calls} {literal(DS_CALLS_END)}"
     alternatives = " | ".join(f"call_{k}" for k in range(len(rules)))
     return "\n".join([start, f"call: {alternatives}", *rules]) + "\n"
 
@@ -246,6 +319,7 @@ _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 def tool_setup(
     tools: list[dict[str, Any]] | None, choice: str | dict[str, Any] | None, parallel: bool,
     fmt: str | None, literal: Callable[[str], str] | None = None, old_deepseek: bool = False,
+    args_style: bool = False,
 ) -> ToolSetup:  # fmt: skip
     """`ValueError(message, param)` for what cannot be served."""
     if not tools:
@@ -267,7 +341,7 @@ def tool_setup(
     if choice in (None, "auto"):
         return ToolSetup(tools, parse=True)
     if choice == "required":
-        grammar = forced_grammar(tools, None, parallel, fmt, literal, old_deepseek)
+        grammar = forced_grammar(tools, None, parallel, fmt, literal, old_deepseek, args_style)
         return ToolSetup(tools, parse=True, grammar=grammar)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(name, str):
@@ -277,5 +351,5 @@ def tool_setup(
         )  # fmt: skip
     if all(t["function"]["name"] != name for t in tools):
         raise ValueError(f"tool_choice names {name!r}, which is not in tools", "tool_choice")
-    grammar = forced_grammar(tools, name, False, fmt, literal, old_deepseek)
+    grammar = forced_grammar(tools, name, False, fmt, literal, old_deepseek, args_style)
     return ToolSetup(tools, parse=True, grammar=grammar)

@@ -36,7 +36,8 @@ def test_every_cut_of_the_stream_gives_the_whole_answer_s_calls(
         for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
             out, new = split.feed(text[a:b])
             streamed, found = streamed + out, found + new
-        streamed += split.flush()
+        rest, late = split.flush()
+        streamed, found = streamed + rest, found + late
         assert streamed == content
         assert [(c.name, c.arguments) for c in found] == [(c.name, c.arguments) for c in got_calls]
 
@@ -84,7 +85,8 @@ def test_deepseek_calls_v3_and_v3_1_in_any_cut(
         for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
             out, new = split.feed(text[a:b])
             streamed, found = streamed + out, found + new
-        streamed += split.flush()
+        rest, late = split.flush()
+        streamed, found = streamed + rest, found + late
         assert streamed == content
         assert [c.arguments for c in found] == [c.arguments for c in got]
 
@@ -97,3 +99,52 @@ def test_deepseek_is_detected_and_its_forced_call_is_in_its_own_syntax() -> None
     assert '"f" "<｜tool▁sep｜>" %json' in g
     old = forced_grammar(tools, "f", False, "deepseek_v3", old_deepseek=True)
     assert '"function" "<｜tool▁sep｜>" "f"' in old and "```json" in old
+
+
+MISTRAL_V3 = 'Sure.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+MISTRAL_V7 = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{"tz": "CET"}'
+LLAMA3 = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+
+
+@pytest.mark.parametrize(
+    ("fmt", "text", "content", "calls"),
+    [("mistral", MISTRAL_V3, "Sure.", [("get_weather", {"city": "Paris"})]),
+     ("mistral", MISTRAL_V7, "", [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]),
+     ("mistral", "[TOOL_CALLS]oops", "[TOOL_CALLS]oops", []),
+     ("llama3_json", "  " + LLAMA3, "", [("get_weather", {"city": "Paris"})]),
+     ("llama3_json", "<|python_tag|>" + LLAMA3, "", [("get_weather", {"city": "Paris"})]),
+     ("llama3_json", "{not a call", "{not a call", []),
+     ("llama3_json", "Paris is nice.", "Paris is nice.", [])],
+)  # fmt: skip
+def test_formats_whose_calls_end_the_answer_in_any_cut(
+    fmt: str, text: str, content: str, calls: list[tuple[str, dict[str, str]]]
+) -> None:
+    """Mistral's `[TOOL_CALLS]` (a JSON list, or name[ARGS]{…} per call) and Llama 3's
+    JSON answer: the calls are the rest of the answer, known when it ends; until a call
+    starts, text streams as content."""
+    got_content, got = parse(text, fmt)
+    assert (got_content, [(c.name, json.loads(c.arguments)) for c in got]) == (content, calls)
+    rng = random.Random(3)
+    for _ in range(100):
+        cuts = sorted(rng.sample(range(1, len(text)), k=rng.randint(0, min(6, len(text) - 1))))
+        split = ToolStream(fmt)
+        streamed, found = "", []
+        for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
+            out, new = split.feed(text[a:b])
+            streamed, found = streamed + out, found + new
+        rest, late = split.flush()
+        assert (streamed + rest, [c.arguments for c in found + late]) == (
+            content, [c.arguments for c in got])  # fmt: skip
+
+
+def test_forced_calls_in_mistral_and_llama3_syntax_compile() -> None:
+    """Each format's forced-call grammar is one llguidance accepts (checked against a
+    vocabulary-free compile: the lark and JSON schema parts parse)."""
+    from llguidance import LLMatcher
+
+    params = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+    for fmt, style in (("mistral", False), ("mistral", True), ("llama3_json", False),
+                       ("hermes", False), ("deepseek_v3", False)):  # fmt: skip
+        g = forced_grammar(tools, None, True, fmt, args_style=style)
+        assert LLMatcher.validate_grammar(g) == "", (fmt, g)
