@@ -18,9 +18,13 @@ class Parts:
 
 
 class AnswerSplit:
-    def __init__(self, reasoning_tail: str | None, tool_format: str | None) -> None:
+    def __init__(
+        self, reasoning_tail: str | None, tool_format: str | None, one_call: bool = False
+    ) -> None:
         """`reasoning_tail`: the prompt's end, when reasoning is split off; `tool_format`:
-        parse tool calls in that format out of the answer."""
+        parse tool calls in that format out of the answer; `one_call`: keep the first call
+        only (`parallel_tool_calls: false`)."""
+        self._one_call = one_call
         self._reasoning = ReasoningSplit(reasoning_tail) if reasoning_tail is not None else None
         self._tools = ToolStream(tool_format) if tool_format else None
         self.all = Parts()
@@ -35,6 +39,7 @@ class AnswerSplit:
         parts = self._answer(thought, answer)
         if self._tools is not None:
             rest, calls = self._tools.flush()
+            calls = self._keep(calls)
             parts.content += rest
             parts.calls += calls
             self.all.content += rest
@@ -48,8 +53,14 @@ class AnswerSplit:
         if self._tools is None:
             out.content = answer
         else:
-            out.content, out.calls = self._tools.feed(answer)
+            out.content, calls = self._tools.feed(answer)
+            out.calls = self._keep(calls)
         self.all.reasoning += out.reasoning
         self.all.content += out.content
         self.all.calls += out.calls
         return out
+
+    def _keep(self, calls: list[Call]) -> list[Call]:
+        if self._one_call:
+            return calls[: max(0, 1 - len(self.all.calls))]
+        return calls

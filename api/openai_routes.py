@@ -238,7 +238,8 @@ async def chat_completions(request: Request) -> Response:
     tail = prompt_tail(state, ids) if state.reasoning else None
 
     def split() -> AnswerSplit:
-        return AnswerSplit(tail, state.tool_format if tools.parse else None)
+        fmt = state.tool_format if tools.parse else None
+        return AnswerSplit(tail, fmt, one_call=not req.parallel_tool_calls)
 
     async def frames() -> AsyncIterator[bytes]:
         yield chunk([ChunkChoice(i, Delta(role="assistant", content="")) for i in range(req.n)])

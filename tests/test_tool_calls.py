@@ -148,3 +148,13 @@ def test_forced_calls_in_mistral_and_llama3_syntax_compile() -> None:
                        ("hermes", False), ("deepseek_v3", False)):  # fmt: skip
         g = forced_grammar(tools, None, True, fmt, args_style=style)
         assert LLMatcher.validate_grammar(g) == "", (fmt, g)
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
+    from api.answer import AnswerSplit
+
+    split = AnswerSplit(None, "hermes", one_call=True)
+    got = split.feed(TWO)
+    rest, reason = split.finish("stop")
+    assert [c.name for c in got.calls + rest.calls] == ["get_weather"]
+    assert [c.name for c in split.all.calls] == ["get_weather"] and reason == "tool_calls"
