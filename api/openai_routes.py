@@ -315,6 +315,16 @@ def _delta(parts: Parts, split: AnswerSplit) -> Delta:
     )
 
 
+def _echo_texts(state: ServerState, prompt: str | list[str | int]) -> list[str]:
+    """Each prompt as text (token ids rendered as the model writes them)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and isinstance(prompt[0], int):
+        ids = [int(t) for t in prompt]
+        return [b"".join(state.model.token_bytes(t) for t in ids).decode("utf-8", "replace")]
+    return [str(p) for p in prompt]
+
+
 def prompt_tail(state: ServerState, ids: list[int]) -> str:
     """The end of a prompt as text, special tokens by name: did the template open a
     reasoning block?"""
@@ -327,8 +337,10 @@ async def completions(request: Request) -> Response:
     req: CompletionRequest = await read_json(request, COMPLETION_DECODER, state.settings.limits)
     _check_model(state, req.model)
     refuse_unsupported(req)
-    if req.echo:
-        raise InvalidRequest("echo is not supported", param="echo")
+    if req.echo and req.logprobs is not None:
+        raise InvalidRequest(
+            "echo with logprobs (the prompt's own logprobs) is not supported yet", param="echo"
+        )
     if req.suffix:
         raise InvalidRequest("suffix is not supported", param="suffix")
     stops = stop_strings(req.stop)
@@ -362,8 +374,15 @@ async def completions(request: Request) -> Response:
     n_prompt = sum(len(p) for p in prompts) * req.n
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
+    # echo: each choice's text starts with its prompt's (vLLM and OpenAI's legacy API)
+    echo = _echo_texts(state, req.prompt) if req.echo else None
+
+    def echoed(i: int) -> str:
+        return echo[i // req.n] if echo is not None else ""
+
     async def frames() -> AsyncIterator[bytes]:
         offsets = [0] * len(sub.queues)
+        started: set[int] = set()
         completion_tokens = cached = 0
         async for i, o in sub.outputs():
             if (err := _ended_badly(o.finish_reason)) is not None:
@@ -375,8 +394,10 @@ async def completions(request: Request) -> Response:
             if o.finish_reason is not None:
                 completion_tokens += o.num_output_tokens
                 cached += o.num_cached_tokens
-            if o.text or o.finish_reason is not None or lp is not None:
-                choice = CompletionChoice(i, o.text, o.finish_reason, lp)
+            text = o.text if i in started else echoed(i) + o.text
+            started.add(i)
+            if text or o.finish_reason is not None or lp is not None:
+                choice = CompletionChoice(i, text, o.finish_reason, lp)
                 yield _frame(Completion(rid, created, req.model, [choice], fp))
         if include_usage:
             yield _frame(
@@ -395,7 +416,7 @@ async def completions(request: Request) -> Response:
         out = [
             CompletionChoice(
                 i,
-                "".join(c.text),
+                echoed(i) + "".join(c.text),
                 c.finish_reason,
                 _completion_logprobs(state, c.logprobs, 0, as_ids) if want_lp else None,
             )

@@ -616,3 +616,24 @@ def test_chat_rendering_options(server: Server) -> None:
         with pytest.raises(openai.BadRequestError) as e:
             c.chat.completions.create(**kw, extra_body=extra)
         assert e.value.body["param"] == param  # type: ignore[index]
+
+
+def test_echo_returns_the_prompt_before_the_completion(server: Server) -> None:
+    """`echo`: each choice's text starts with its prompt, streamed or not (token-id prompts
+    rendered as text); echo with logprobs (the prompt's own) is a 400 naming `echo`."""
+    c = client(server)
+    kw: dict[str, Any] = {"model": MODEL, "max_tokens": 4, "temperature": 0,
+                          "extra_body": {"cache_prompt": False}}  # fmt: skip
+    plain = c.completions.create(prompt=PROMPT, **kw)
+    echoed = c.completions.create(prompt=PROMPT, echo=True, **kw)
+    assert echoed.choices[0].text == PROMPT + plain.choices[0].text
+    loose = OpenAI(base_url=server.base_url, api_key="none")
+    chunks = list(loose.completions.create(prompt=PROMPT, echo=True, stream=True, **kw))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == echoed.choices[0].text
+    two = c.completions.create(prompt=["The sea", "A river"], echo=True, n=2, **kw)
+    texts = [ch.text for ch in sorted(two.choices, key=lambda x: x.index)]
+    assert [t[: len(p)] for t, p in zip(texts, ["The sea"] * 2 + ["A river"] * 2, strict=True)] \
+        == ["The sea"] * 2 + ["A river"] * 2  # (choices of each prompt: n in a row)  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(prompt=PROMPT, echo=True, logprobs=1, **kw)
+    assert e.value.body["param"] == "echo"  # type: ignore[index]
