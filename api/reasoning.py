@@ -54,7 +54,7 @@ class ReasoningSplit:
         if self._in_reasoning:
             at = buf.find(CLOSE)
             if at < 0:
-                keep = _partial_suffix(buf, CLOSE)
+                keep = partial_suffix(buf, CLOSE)
                 reasoning, self._held = buf[: len(buf) - keep], buf[len(buf) - keep :]
             else:
                 reasoning = buf[:at]
@@ -77,7 +77,7 @@ class ReasoningSplit:
         return "", held
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """The length of the longest end of `text` that is a proper start of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from api.reasoning import partial_suffix
+
 HERMES, DEEPSEEK_V3, MISTRAL, LLAMA3 = "hermes", "deepseek_v3", "mistral", "llama3_json"
 FORMATS = (HERMES, DEEPSEEK_V3, MISTRAL, LLAMA3)
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -186,7 +188,7 @@ class ToolStream:
             if not self._begun:
                 at = buf.find(f.begin)
                 if at < 0:
-                    keep = _partial_suffix(buf, f.begin)
+                    keep = partial_suffix(buf, f.begin)
                     out += buf[: len(buf) - keep]
                     self._held = buf[len(buf) - keep :]
                     break
@@ -199,7 +201,7 @@ class ToolStream:
             if not self._in_call:
                 at = buf.find(f.open)
                 if at < 0:
-                    self._held = buf[len(buf) - _partial_suffix(buf, f.open) :]
+                    self._held = buf[len(buf) - partial_suffix(buf, f.open) :]
                     break
                 buf, self._in_call = buf[at:], True
             end = buf.find(f.close)
@@ -234,13 +236,6 @@ class ToolStream:
             return "", []
         self.content += held
         return held, []
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
 
 
 def forced_grammar(

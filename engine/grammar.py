@@ -73,7 +73,7 @@ class Grammars:
         """A grammar for JSON valid under `schema`; `GrammarError` if it cannot be one."""
         from llguidance import LLMatcher
 
-        if schema is True or schema == {}:
+        if schema is True:  # (JSON Schema's "anything")
             schema = {}
         elif not isinstance(schema, dict):
             raise GrammarError("the schema must be a JSON object")

@@ -467,10 +467,7 @@ def test_a_pool_for_two_prompts_serves_ten_without_thrashing() -> None:
     d = Driver(cfg(max_num_seqs=8, kv_capacity=100, max_num_batched_tokens=16, max_waiting=64))
     for i in range(10):
         d.add(make_request(f"r{i}", prompt(rng.randint(30, 45), i), 12))
-    most = 0
-    while d.sched.has_work:
-        d.step()
-        most = max(most, len(d.sched.running))
+    most = most_running(d)
     for i in range(10):
         d.assert_matches_reference(f"r{i}")
     assert sum(r.num_preemptions for r in d.reqs.values()) == 0
@@ -1276,11 +1273,10 @@ def test_with_a_sliding_window_conversations_behind_one_system_prompt_are_all_ke
         d.assert_matches_reference(r.req_id)
 
 
-def test_the_prefix_cache_does_not_count_as_kv_pressure() -> None:
-    """Where batching does not pay, requests the pool cannot hold together run one after
-    another; but cells the cache holds and nobody reads give way, so they do not make two
-    requests that fit beside each other wait for one another."""
-    fake = FakeEngine(seconds_per_step=0.0, seconds_per_token=1e-3)  # compute-bound
+def compute_bound_cached_driver() -> Driver:
+    """A small pool with a prefix cache, on a compute-bound fake whose cost model has
+    learnt that a step of two costs two steps of one (batching does not pay)."""
+    fake = FakeEngine(seconds_per_step=0.0, seconds_per_token=1e-3)
     d = Driver(
         cfg(max_num_seqs=8, kv_capacity=200, max_num_batched_tokens=16, prefix_cache=True,
             max_cached_seqs=4),
@@ -1288,16 +1284,30 @@ def test_the_prefix_cache_does_not_count_as_kv_pressure() -> None:
     )  # fmt: skip
     d.add(make_request("w0", prompt(3), 4))
     d.add(make_request("w1", prompt(3, 1), 12))
-    d.run()  # the cost model learns that a step of two costs two steps of one
+    d.run()
+    return d
+
+
+def most_running(d: Driver) -> int:
+    """Run to the end; the most requests that ran at once."""
+    most = 0
+    while d.sched.has_work:
+        d.step()
+        most = max(most, len(d.sched.running))
+    return most
+
+
+def test_the_prefix_cache_does_not_count_as_kv_pressure() -> None:
+    """Where batching does not pay, requests the pool cannot hold together run one after
+    another; but cells the cache holds and nobody reads give way, so they do not make two
+    requests that fit beside each other wait for one another."""
+    d = compute_bound_cached_driver()
     d.add(make_request("c", prompt(120, 9), 4))
     d.run()
     assert d.sched.pool.cached >= 120
     for i in range(2):
         d.add(make_request(f"r{i}", [40 + i, *prompt(39, i)], 12))
-    most = 0
-    while d.sched.has_work:
-        d.step()
-        most = max(most, len(d.sched.running))
+    most = most_running(d)
     assert most == 2
     for req_id in ("c", "r0", "r1"):
         d.assert_matches_reference(req_id)
@@ -1307,23 +1317,12 @@ def test_what_waiting_requests_will_read_from_the_cache_is_not_kv_pressure() -> 
     """Where batching does not pay, requests the pool cannot hold together run one after
     another; requests behind a cached prompt need only their own tokens (the cached cells
     are read once, by all of them), so they run together."""
-    fake = FakeEngine(seconds_per_step=0.0, seconds_per_token=1e-3)  # compute-bound
-    d = Driver(
-        cfg(max_num_seqs=8, kv_capacity=200, max_num_batched_tokens=16, prefix_cache=True,
-            max_cached_seqs=4),
-        fake,
-    )  # fmt: skip
-    d.add(make_request("w0", prompt(3), 4))
-    d.add(make_request("w1", prompt(3, 1), 12))
-    d.run()  # the cost model learns that a step of two costs two steps of one
+    d = compute_bound_cached_driver()
     system = prompt(120, 9)
     d.add(make_request("c", system, 2))
     d.run()
     reqs = [d.add(make_request(f"r{i}", [*system, 50 + i, *prompt(7, i)], 8)) for i in range(3)]
-    most = 0
-    while d.sched.has_work:
-        d.step()
-        most = max(most, len(d.sched.running))
+    most = most_running(d)
     assert most == 3 and [r.num_cached for r in reqs] == [120] * 3
     for r in reqs:
         d.assert_matches_reference(r.req_id)

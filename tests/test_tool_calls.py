@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from api.tool_calls import ToolStream, detect, forced_grammar, parse
+from api.tool_calls import Call, ToolStream, detect, forced_grammar, parse
 
 ONE = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TWO = ONE + '\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>'
@@ -21,6 +21,27 @@ CASES = [
 ]  # fmt: skip
 
 
+def assert_every_cut(
+    text: str, fmt: str, content: str, calls: list[Call], rng: random.Random, tries: int,
+    max_cuts: int,
+) -> None:  # fmt: skip
+    """Streamed in `tries` random cuts (up to `max_cuts` each), `text` gives `content` and
+    the same calls as parsed whole."""
+    for _ in range(tries):
+        k = rng.randint(0, min(max_cuts, len(text) - 1))
+        cuts = sorted(rng.sample(range(1, len(text)), k=k))
+        split = ToolStream(fmt)
+        streamed, found = "", []
+        for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
+            out, new = split.feed(text[a:b])
+            streamed, found = streamed + out, found + new
+        rest, late = split.flush()
+        assert streamed + rest == content
+        assert [(c.name, c.arguments) for c in found + late] == [
+            (c.name, c.arguments) for c in calls
+        ]
+
+
 @pytest.mark.parametrize(("text", "content", "calls"), CASES)
 def test_every_cut_of_the_stream_gives_the_whole_answer_s_calls(
     text: str, content: str, calls: list[tuple[str, dict[str, str]]]
@@ -28,18 +49,7 @@ def test_every_cut_of_the_stream_gives_the_whole_answer_s_calls(
     got_content, got_calls = parse(text)
     assert got_content == content
     assert [(c.name, json.loads(c.arguments)) for c in got_calls] == calls
-    rng = random.Random(len(text))
-    for _ in range(200):
-        cuts = sorted(rng.sample(range(1, len(text)), k=rng.randint(0, 8)))
-        split = ToolStream()
-        streamed, found = "", []
-        for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
-            out, new = split.feed(text[a:b])
-            streamed, found = streamed + out, found + new
-        rest, late = split.flush()
-        streamed, found = streamed + rest, found + late
-        assert streamed == content
-        assert [(c.name, c.arguments) for c in found] == [(c.name, c.arguments) for c in got_calls]
+    assert_every_cut(text, "hermes", content, got_calls, random.Random(len(text)), 200, 8)
 
 
 def test_the_format_comes_from_the_template() -> None:
@@ -77,18 +87,7 @@ def test_deepseek_calls_v3_and_v3_1_in_any_cut(
     got_content, got = parse(text, "deepseek_v3")
     assert got_content == content
     assert [(c.name, json.loads(c.arguments)) for c in got] == calls
-    rng = random.Random(7)
-    for _ in range(100):
-        cuts = sorted(rng.sample(range(1, len(text)), k=rng.randint(0, min(8, len(text) - 1))))
-        split = ToolStream("deepseek_v3")
-        streamed, found = "", []
-        for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
-            out, new = split.feed(text[a:b])
-            streamed, found = streamed + out, found + new
-        rest, late = split.flush()
-        streamed, found = streamed + rest, found + late
-        assert streamed == content
-        assert [c.arguments for c in found] == [c.arguments for c in got]
+    assert_every_cut(text, "deepseek_v3", content, got, random.Random(7), 100, 8)
 
 
 def test_deepseek_is_detected_and_its_forced_call_is_in_its_own_syntax() -> None:
@@ -124,17 +123,7 @@ def test_formats_whose_calls_end_the_answer_in_any_cut(
     starts, text streams as content."""
     got_content, got = parse(text, fmt)
     assert (got_content, [(c.name, json.loads(c.arguments)) for c in got]) == (content, calls)
-    rng = random.Random(3)
-    for _ in range(100):
-        cuts = sorted(rng.sample(range(1, len(text)), k=rng.randint(0, min(6, len(text) - 1))))
-        split = ToolStream(fmt)
-        streamed, found = "", []
-        for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
-            out, new = split.feed(text[a:b])
-            streamed, found = streamed + out, found + new
-        rest, late = split.flush()
-        assert (streamed + rest, [c.arguments for c in found + late]) == (
-            content, [c.arguments for c in got])  # fmt: skip
+    assert_every_cut(text, fmt, content, got, random.Random(3), 100, 6)
 
 
 def test_forced_calls_in_mistral_and_llama3_syntax_compile() -> None:
