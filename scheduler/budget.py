@@ -218,10 +218,19 @@ class StepCostModel:
     # short prompts had taught it a fixed cost and nothing per token — the chunks doubled
     # on the back of steps it never learned (CPU end-to-end test: a 1.19 s step at 250 ms).
     SEEN_DECAY = 0.97
+    # Variance of the decode tokens per step (in what the batching fit remembers) below
+    # which its judgement is kept: steps of one and two tokens, 11% or more of either.
+    # Below it the slope rests on a few old steps and whatever has changed since (depth,
+    # the machine's load) reads as the cost of a second sequence.
+    BATCH_VARIETY = 0.1
 
     def __init__(self, ubatch: int = 0, tile: int = 0) -> None:
         self._dec = _Line()  # x = decode tokens, y = seconds
-        self._batch_fit: tuple[float, float] | None = None  # the last fit with a slope
+        # y = a decode-only step's seconds; x = (1, decode tokens, KV cells they attend):
+        # what sharing a step buys (`batching_pays`), its judgement kept while steps of
+        # other sizes still carry BATCH_VARIETY of what the fit remembers
+        self._batch = _NonNegativeFit(3)
+        self._batch_pays: bool | None = None
         # y = a step's seconds beyond its decode part; x = (prompt tokens, token-cells
         # attended, KV span of the chunks, chunks): the terms c0, c1, g and h of the module
         # doc. h only from FIXED_COST_POINTS points: from two noisy ones an intercept makes
@@ -332,15 +341,26 @@ class StepCostModel:
 
     def batching_pays(self) -> bool:
         """Does decoding one more sequence in a step cost less than half of decoding it
-        alone (the per-token term below the per-step one)? Then a running request shares
-        its steps for less than 1.5x its pace, and two together run 1.33x+ the tokens of
-        two one after the other. On a GPU it always does (weights are read once a step
-        for every sequence); on a few CPU cores a small model's decode is compute-bound
-        and it does not. True until steps of different sizes have been seen."""
-        if self._batch_fit is None:
-            return True
-        a, b = self._batch_fit
-        return b <= a
+        alone (its own work — per token and per KV cell it attends, at the depth steps
+        have had — below the per-step work)? Then a running request shares its steps for
+        less than 1.5x its pace, and two together run 1.33x+ the tokens of two one after
+        the other. On a GPU it always does (weights are read once a step for every
+        sequence); on a few CPU cores a small model's decode is compute-bound and it does
+        not. True until steps of different sizes have been seen.
+
+        Depth is in the fit because the steps it compares come at different depths: a
+        warm-up of two short requests against one long prompt's decode alone made the
+        second sequence look free when depth was left out (the deep single steps cost
+        what the shallow double ones had), and the server shared steps that did not pay."""
+        return self._batch_pays is None or self._batch_pays
+
+    def _judge_batching(self) -> None:
+        f = self._batch
+        n, sd, sk, sdd = f.xx[0][0], f.xx[0][1], f.xx[0][2], f.xx[1][1]
+        if n <= 0 or sdd / n - (sd / n) ** 2 < self.BATCH_VARIETY:
+            return  # one size of step in memory: it says nothing about sharing
+        a, b, e = f.fit()
+        self._batch_pays = b + e * sk / sd <= a
 
     def step_time(self, n_decode: int, chunks: list[tuple[int, int]]) -> float:
         """Modelled seconds for a step of `n_decode` decode tokens and prompt `chunks` as
@@ -370,17 +390,23 @@ class StepCostModel:
         return max(0, int(n) if n < limit else limit)
 
     def observe(
-        self, n_decode: int, chunks: list[tuple[int, int]], seconds: float, planned: bool = True
+        self,
+        n_decode: int,
+        chunks: list[tuple[int, int]],
+        seconds: float,
+        planned: bool = True,
+        decode_depth: int = 0,
     ) -> None:
         """One step: its decode tokens, its prompt chunks as (tokens, start depth), its time;
         `planned` when its chunks were sized for the stall target (a burst's were not: its
-        ratio updates only its own size class, not the bias new classes start from)."""
+        ratio updates only its own size class, not the bias new classes start from);
+        `decode_depth` the KV cells its decode tokens attend, summed."""
         n_prompt = sum(n for n, _ in chunks)
         if n_prompt == 0:
             if n_decode:
                 self._dec.add(n_decode, seconds)
-                if self._dec.varied:  # kept while steps stay one size (and the fit flat)
-                    self._batch_fit = self._dec.fit()
+                self._batch.add((1.0, n_decode, decode_depth), seconds)
+                self._judge_batching()
                 # Between prefills the bias relaxes: a transient (another process for a
                 # while) must not shrink the next prompt's chunks for good.
                 self.bias += self.BIAS_RELAX * (1.0 - self.bias)

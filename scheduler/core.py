@@ -61,6 +61,7 @@ class SchedulerOutput:
     reqs: list[Request] = field(default_factory=list)
     num_preempted: int = 0
     num_decode: int = 0  # decode tokens in the batch
+    decode_depth: int = 0  # KV cells the decode tokens attend, summed
     prompt_chunks: list[tuple[int, int]] = field(default_factory=list)  # (tokens, KV depth)
     bounded: bool = False  # its prompt chunks were sized for the stall target
 
@@ -195,6 +196,7 @@ class Scheduler:
                 plan[req.req_id] = (req, 1)
                 budget -= 1
         n_decode = len(plan)
+        decode_depth = sum(r.num_computed for r, _ in plan.values())
         budget = self.cfg.max_num_batched_tokens - n_decode
         # Prompt chunks, oldest first (FCFS), sized to keep the step under the stall target
         # — except for a burst: when every decoder has one token so far and no prefill is
@@ -310,7 +312,11 @@ class Scheduler:
             self._retained, self._kv_ops,
         )  # fmt: skip
         out = SchedulerOutput(
-            batch, num_preempted=preempted, num_decode=n_decode, bounded=timer.bounded
+            batch,
+            num_preempted=preempted,
+            num_decode=n_decode,
+            decode_depth=decode_depth,
+            bounded=timer.bounded,
         )
         self._released, self._swap_out, self._swap_drop = [], [], []
         self._retained, self._kv_ops = [], []
@@ -779,7 +785,10 @@ class Scheduler:
         self.swap_cost.observe(result.swap_out_bytes, result.swap_out_s)
         self.swap_cost.observe(result.swap_in_bytes, result.swap_in_s)
         engine_s = result.fill_s + result.decode_s + result.sample_s
-        self.cost.observe(out.num_decode, out.prompt_chunks, engine_s, planned=out.bounded)
+        self.cost.observe(
+            out.num_decode, out.prompt_chunks, engine_s, planned=out.bounded,
+            decode_depth=out.decode_depth,
+        )  # fmt: skip
         stats = StepStats(
             num_step_tokens=out.batch.num_tokens,
             num_step_prompt_tokens=sum(n for n, _ in out.prompt_chunks),

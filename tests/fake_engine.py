@@ -103,9 +103,9 @@ class FakeEngine:
     saved before releases, restored after starts into a sequence that holds none. Cells
     have ids, so a prefix lent to another sequence (`Share`, from the prefix index) is one
     set of cells read by both, counted once in `kv_used`, as in llama.cpp's unified cache.
-    `seconds_per_step`, `seconds_per_token` and `swap_bytes_per_s` make steps and copies
-    report times (the
-    scheduler learns its cost models from them); `lose_swaps` are keys whose restore fails.
+    `seconds_per_step`, `seconds_per_token`, `seconds_per_cell` and `swap_bytes_per_s` make
+    steps and copies report times (the scheduler learns its cost models from them);
+    `lose_swaps` are keys whose restore fails.
     """
 
     n_batch: int | None = None
@@ -118,6 +118,7 @@ class FakeEngine:
     num_steps: int = 0
     seconds_per_token: float = 0.0
     seconds_per_step: float = 0.0
+    seconds_per_cell: float = 0.0  # per KV cell a token attends (attention's share)
     swap_bytes_per_s: float = 1e9
     bytes_per_cell: int = 1
     lose_swaps: set[int] = field(default_factory=set)
@@ -251,7 +252,10 @@ class FakeEngine:
                 swap.sampled[c.seq_id] = Sampled(self.sample(self.history(c.seq_id)))
         self._prune()
         n = sum(len(c.tokens) for c in chunks)
-        swap.decode_s = self.seconds_per_step + self.seconds_per_token * n
+        cells = sum(len(c.tokens) * (c.pos0 + (len(c.tokens) + 1) / 2) for c in chunks)
+        swap.decode_s = (
+            self.seconds_per_step + self.seconds_per_token * n + self.seconds_per_cell * cells
+        )
         return swap
 
 

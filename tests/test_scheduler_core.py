@@ -475,27 +475,36 @@ def test_a_pool_for_two_prompts_serves_ten_without_thrashing() -> None:
 
 
 @pytest.mark.parametrize(
-    ("per_step", "per_token", "together"),
-    [(1e-2, 1e-4, 2), (0.0, 1e-3, 1)],
-    ids=["gpu-like", "compute-bound"],
+    ("per_step", "per_token", "per_cell", "together"),
+    [(1e-2, 1e-4, 1e-7, 2), (0.0, 1e-3, 0.0, 1), (0.0, 1e-3, 5e-5, 1)],
+    ids=["gpu-like", "compute-bound", "compute-bound-attention"],
 )
 def test_under_kv_pressure_steps_are_shared_only_where_batching_pays(
-    per_step: float, per_token: float, together: int
+    per_step: float, per_token: float, per_cell: float, together: int
 ) -> None:
     """When the pool cannot hold everyone waiting, a newcomer joins the running requests
     only if a step of two costs well under two steps of one (GPU-like: a fixed cost per
     step); where each sequence costs its own (compute-bound), they run one after another.
-    The cost is learned from decode steps of one and of two sequences (the warm-up)."""
+    The cost is learned from decode steps of one and of two sequences: a warm-up of two
+    short requests, then the same prompts one after another — deeper, so where attention
+    costs (per KV cell) a step of one deep sequence costs what two shallow ones did, which
+    must not read as a second sequence being free."""
     rng = random.Random(7)
-    fake = FakeEngine(seconds_per_step=per_step, seconds_per_token=per_token)
+    fake = FakeEngine(
+        seconds_per_step=per_step, seconds_per_token=per_token, seconds_per_cell=per_cell
+    )
     d = Driver(
         cfg(max_num_seqs=8, kv_capacity=100, max_num_batched_tokens=16, max_waiting=64), fake
     )
     d.add(make_request("w0", prompt(3), 4))
     d.add(make_request("w1", prompt(3, 1), 12))
     d.run()
-    for i in range(10):
-        d.add(make_request(f"r{i}", prompt(rng.randint(30, 45), i), 12))
+    prompts = [prompt(rng.randint(30, 45), i) for i in range(10)]
+    for i, p in enumerate(prompts):
+        d.add(make_request(f"s{i}", p, 12))
+        d.run()
+    for i, p in enumerate(prompts):
+        d.add(make_request(f"r{i}", p, 12))
     most = 0  # running at once while the pool cannot hold everyone waiting
     while d.sched.has_work:
         d.step()
