@@ -34,6 +34,7 @@ from api.planning import Placement, describe
 from api.reasoning import template_reasons
 from api.state import ServerSettings, ServerState, server_state
 from api.tool_calls import detect as detect_tool_format
+from api.tool_calls import renders_tools
 from engine.chat_template import ChatTemplate
 from engine.model import Model
 from engine.runner import Engine
@@ -99,6 +100,7 @@ def _state(
             prefix_cache=model.n_cached_seqs > 0,
             max_cached_seqs=model.n_cached_seqs,
             sliding_window=model.n_swa,
+            prompt_logprob_rows=settings.engine.prompt_logprob_rows,
         )
     )
     name = settings.served_model_name or Path(settings.engine.model_path).stem
@@ -125,6 +127,7 @@ def _state(
                 max_num_batched_tokens=lanes.slots * lanes.chunk,
                 max_waiting=settings.max_waiting,
                 max_prefill_chunk=lanes.chunk,
+                prompt_logprob_rows=settings.engine.prompt_logprob_rows,
             )
         )
         loop.add_lane(REPRODUCIBLE, repro, engines[1].step)
@@ -148,6 +151,9 @@ def _state(
         experts=experts,
         reasoning=settings.reasoning_format != "none" and template_reasons(template.source),
         tool_format=_tool_format(settings.tool_call_parser, template.source),
+        renders_tools=renders_tools(
+            lambda tools: template.bind(tools=tools).render([{"role": "user", "content": "Hi"}])
+        ),
     )
 
 

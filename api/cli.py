@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from api.tool_calls import FORMATS as TOOL_FORMATS
-from engine.config import EngineConfig
+from engine.config import DEFAULT_PROMPT_LOGPROB_ROWS, EngineConfig
 from engine.placement import CPU_MOE
 
 log = logging.getLogger("one-gpu")
@@ -92,6 +92,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--no-prefix-cache", action="store_true",
                    help="compute every prompt in full (no prefix cache)")  # fmt: skip
     s.add_argument(
+        "--prompt-logprob-rows", type=int, default=DEFAULT_PROMPT_LOGPROB_ROWS,
+        help="logit rows a call returns for a prompt's own logprobs (completions echo + "
+        "logprobs; such prompts go in chunks of this many tokens; 0 refuses them)",
+    )  # fmt: skip
+    s.add_argument(
         "--chat-template", type=Path,
         help="jinja2 chat template: a file, or a shipped one by name (gemma, chatml)",
     )  # fmt: skip
@@ -136,6 +141,8 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--parallel", type=int, default=1, help="sequences holding that context")
     pl.add_argument("--cache-seqs", type=int, default=DEFAULT_CACHE_SEQS,
                     help="serve's --cache-seqs (each id costs a row of logits)")  # fmt: skip
+    pl.add_argument("--prompt-logprob-rows", type=int, default=DEFAULT_PROMPT_LOGPROB_ROWS,
+                    help="serve's --prompt-logprob-rows")  # fmt: skip
     pl.add_argument("--n-ubatch", type=int, default=512)
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -191,7 +198,7 @@ def _plan(args: argparse.Namespace) -> int:
     from engine._capi import llama
     from engine.devices import gpu_memory
     from engine.gguf_meta import read_meta
-    from engine.plan import PlanDoesNotFit, PlanOptions, format_plan, plan_to_json
+    from engine.plan import PlanDoesNotFit, PlanOptions, format_plan, output_rows, plan_to_json
 
     logging.basicConfig(level=logging.WARNING)
     if args.vram_budget is None and not gpu_memory(llama()):
@@ -201,7 +208,7 @@ def _plan(args: argparse.Namespace) -> int:
         return 2
     opts = PlanOptions(
         kv_tokens=args.ctx * args.parallel, n_ubatch=args.n_ubatch,
-        n_outputs=2 * (args.parallel + max(0, args.cache_seqs)),
+        n_outputs=output_rows(args.parallel + max(0, args.cache_seqs), args.prompt_logprob_rows),
         **_margin(args),
     )  # fmt: skip
     req = PlanRequest(vram_budget=args.vram_budget, ram_budget=args.ram_budget, options=opts)
@@ -264,6 +271,7 @@ def _serve(args: argparse.Namespace) -> None:
         n_cached_seqs=0 if args.no_prefix_cache else max(0, args.cache_seqs),
         n_batch=args.n_batch,
         n_ubatch=args.n_ubatch,
+        prompt_logprob_rows=max(0, args.prompt_logprob_rows),
         n_threads=args.threads,
         n_threads_batch=args.threads_batch,
         flash_attn=args.flash_attn,
@@ -280,14 +288,16 @@ def _serve(args: argparse.Namespace) -> None:
         chunk=args.repro_chunk,
     )
     from api.planning import PlanRefused, PlanRequest, plan_for_serve
-    from engine.plan import PlanOptions, format_plan
+    from engine.plan import PlanOptions, format_plan, output_rows
 
     opts = PlanOptions(
         kv_tokens=engine.n_ctx + lanes.slots * lanes.ctx,
         n_ubatch=max(engine.n_ubatch, lanes.chunk) if lanes.slots else engine.n_ubatch,
         contexts=2 if lanes.slots else 1,
         # a row of logits per sequence id, the cache's holders too (device greedy: two ids)
-        n_outputs=2 * max(engine.n_seq_max + engine.n_cached_seqs, lanes.slots),
+        n_outputs=output_rows(
+            max(engine.n_seq_max + engine.n_cached_seqs, lanes.slots), engine.prompt_logprob_rows
+        ),
         **_margin(args),
     )
     req = PlanRequest(vram_budget=args.vram_budget, ram_budget=args.ram_budget, options=opts)

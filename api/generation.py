@@ -31,7 +31,7 @@ def _never(_token: int) -> bool:
 def sampling_params(
     req: SamplingFields, *, logprobs: bool, top_logprobs: int, seed_offset: int = 0,
     grammar: str | None = None, logit_bias: tuple[tuple[int, float], ...] = (),
-    min_tokens: int = 0,
+    min_tokens: int = 0, prompt_logprobs: int | None = None, grammar_trigger: int | None = None,
 ) -> SamplingParams:  # fmt: skip
     return SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -47,6 +47,8 @@ def sampling_params(
         grammar=grammar,
         logit_bias=logit_bias,
         min_tokens=min_tokens,
+        prompt_logprobs=prompt_logprobs,
+        grammar_trigger=grammar_trigger,
     )
 
 
@@ -94,6 +96,7 @@ class Choice:
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Sampled] = field(default_factory=list)
+    prompt_logprobs: list[Sampled] | None = None  # echo + logprobs: the prompt's own
     finish_reason: str = "stop"
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
@@ -103,6 +106,8 @@ class Choice:
         self.text.append(o.text)
         self.token_ids.extend(o.token_ids)
         self.logprobs.extend(o.logprobs)
+        if o.prompt_logprobs is not None:
+            self.prompt_logprobs = o.prompt_logprobs
         self.num_prompt_tokens = o.num_prompt_tokens
         self.num_output_tokens = o.num_output_tokens
         self.num_cached_tokens = o.num_cached_tokens

@@ -62,6 +62,7 @@ from api.schemas import (
 )
 from api.state import ServerState, server_state
 from api.structured import request_tools, response_grammar, tool_grammar
+from api.tool_calls import with_prompt
 from api.validation import (
     chat_messages,
     chat_rendering,
@@ -120,13 +121,25 @@ def _chat_logprobs(state: ServerState, items: list[Sampled]) -> ChatLogprobs:
     return ChatLogprobs(content)
 
 
+def _namer(state: ServerState, as_ids: bool) -> Callable[[int], str]:
+    """How logprobs name a token: its text, or "token_id:<id>" (vLLM's extension)."""
+    if as_ids:
+        return lambda tok: f"token_id:{tok}"
+    return lambda tok: _token_str(state, tok)[0]
+
+
 def _completion_logprobs(
     state: ServerState, items: list[Sampled], offset: int, as_ids: bool = False
 ) -> CompletionLogprobs:
-    def name(tok: int) -> str:
-        return f"token_id:{tok}" if as_ids else _token_str(state, tok)[0]
-
     out = CompletionLogprobs([], [], [], [])
+    _add_logprobs(state, out, items, offset, _namer(state, as_ids))
+    return out
+
+
+def _add_logprobs(
+    state: ServerState, out: CompletionLogprobs, items: list[Sampled], offset: int,
+    name: Callable[[int], str],
+) -> None:  # fmt: skip
     for s in items:
         text, _ = _token_str(state, s.token)
         out.tokens.append(name(s.token))
@@ -134,6 +147,26 @@ def _completion_logprobs(
         out.top_logprobs.append({name(t): lp for t, lp in s.top_logprobs or []})
         out.text_offset.append(offset)
         offset += len(text)
+
+
+def _prompt_logprobs(
+    state: ServerState, ids: list[int], scored: list[Sampled], as_ids: bool
+) -> CompletionLogprobs:
+    """Echo + logprobs: the prompt's tokens with their logprobs (the first has none),
+    offsets into the echoed text (special tokens take no room in it)."""
+    name = _namer(state, as_ids)
+
+    def width(tok: int) -> int:
+        return len(state.model.token_bytes(tok).decode("utf-8", "replace"))
+
+    out = CompletionLogprobs([name(ids[0])], [None], [None], [0])
+    offset = width(ids[0])
+    for s in scored:
+        out.tokens.append(name(s.token))
+        out.token_logprobs.append(s.logprob)
+        out.top_logprobs.append({name(t): lp for t, lp in s.top_logprobs or []})
+        out.text_offset.append(offset)
+        offset += width(s.token)
     return out
 
 
@@ -200,14 +233,17 @@ async def chat_completions(request: Request) -> Response:
     sub = Submission(state, rid, lane, client_of(request.scope))
     with sub.admission(req.n):
         tools = request_tools(state, req, messages)
+        if tools.prompt is not None:  # the template would drop them: the system message says
+            messages = with_prompt(messages, tools.prompt)
         grammar = await response_grammar(state, req.response_format)
-        if tools.grammar is not None:
-            if grammar is not None:
-                raise InvalidRequest(
-                    "a required or named tool_choice cannot be combined with a response_format",
-                    param="tool_choice",
-                )
-            grammar = await tool_grammar(state, tools.grammar)
+        trigger = None
+        if tools.grammar is not None and grammar is not None and tools.trigger is None:
+            raise InvalidRequest(
+                "a required or named tool_choice cannot be combined with a response_format",
+                param="tool_choice",
+            )
+        if tools.grammar is not None and grammar is None:  # (auto beside a format: the format)
+            grammar, trigger = await tool_grammar(state, tools.grammar), tools.trigger
         template = chat_rendering(state, req, messages, tools.render)
         prompt = await chat_prompt(state, messages, context_limit(state, lane), template)
         ids = prompt.ids
@@ -217,7 +253,7 @@ async def chat_completions(request: Request) -> Response:
         for i in range(req.n):
             params = sampling_params(
                 req, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0, seed_offset=i,
-                grammar=grammar, logit_bias=bias, min_tokens=least,
+                grammar=grammar, logit_bias=bias, min_tokens=least, grammar_trigger=trigger,
             )  # fmt: skip
             sub.add(
                 ids, params, max_tokens, stops, ignore_eos=req.ignore_eos,
@@ -337,10 +373,16 @@ async def completions(request: Request) -> Response:
     req: CompletionRequest = await read_json(request, COMPLETION_DECODER, state.settings.limits)
     _check_model(state, req.model)
     refuse_unsupported(req)
-    if req.echo and req.logprobs is not None:
+    # echo + logprobs: the prompt's own logprobs too (lm-evaluation-harness, perplexity)
+    scores = req.echo and req.logprobs is not None
+    if scores and not state.settings.engine.prompt_logprob_rows:
         raise InvalidRequest(
-            "echo with logprobs (the prompt's own logprobs) is not supported yet", param="echo"
-        )
+            "the prompt's own logprobs (echo with logprobs) are off on this server "
+            "(--prompt-logprob-rows 0)", param="echo",
+        )  # fmt: skip
+    if req.max_tokens == 0 and not req.echo:
+        raise InvalidRequest("max_tokens must be at least 1 (0 only with echo)", param="max_tokens")
+    asked = 16 if req.max_tokens is None else req.max_tokens
     if req.suffix:
         raise InvalidRequest("suffix is not supported", param="suffix")
     stops = stop_strings(req.stop)
@@ -356,13 +398,14 @@ async def completions(request: Request) -> Response:
     with sub.admission(n_prompts * req.n, "prompt" if n_prompts > 1 else "n"):
         grammar = await response_grammar(state, req.response_format)
         prompts = await completion_prompts(state, req.prompt, context_limit(state, lane))
-        limits = [max_tokens_for(state, len(p), req.max_tokens or 16, lane) for p in prompts]
-        bias, least = logit_bias(req, state.model.n_vocab), min_tokens(req, req.max_tokens or 16)
+        limits = [max_tokens_for(state, len(p), asked, lane) for p in prompts]
+        bias, least = logit_bias(req, state.model.n_vocab), min_tokens(req, asked)
         for ids, max_tokens in zip(prompts, limits, strict=True):
             for i in range(req.n):
                 params = sampling_params(
                     req, logprobs=want_lp, top_logprobs=req.logprobs or 0, seed_offset=i,
                     grammar=grammar, logit_bias=bias, min_tokens=least,
+                    prompt_logprobs=req.logprobs if scores else None,
                 )  # fmt: skip
                 sub.add(
                     ids, params, max_tokens, stops, ignore_eos=req.ignore_eos,
@@ -380,6 +423,19 @@ async def completions(request: Request) -> Response:
     def echoed(i: int) -> str:
         return echo[i // req.n] if echo is not None else ""
 
+    def logprobs(
+        i: int, items: list[Sampled], scored: list[Sampled] | None, offset: int
+    ) -> CompletionLogprobs | None:
+        """Choice i's logprobs: its prompt's first (echo + logprobs, on its first output),
+        then its tokens', offsets counted from the start of the text it returns."""
+        if not want_lp:
+            return None
+        if scored is None:
+            return _completion_logprobs(state, items, offset + len(echoed(i)), as_ids)
+        out = _prompt_logprobs(state, prompts[i // req.n], scored, as_ids)
+        _add_logprobs(state, out, items, len(echoed(i)), _namer(state, as_ids))
+        return out
+
     async def frames() -> AsyncIterator[bytes]:
         offsets = [0] * len(sub.queues)
         started: set[int] = set()
@@ -389,7 +445,7 @@ async def completions(request: Request) -> Response:
                 yield _error_frame(err)
                 yield DONE
                 return
-            lp = _completion_logprobs(state, o.logprobs, offsets[i], as_ids) if want_lp else None
+            lp = logprobs(i, o.logprobs, o.prompt_logprobs, offsets[i])
             offsets[i] += len(o.text)
             if o.finish_reason is not None:
                 completion_tokens += o.num_output_tokens
@@ -418,7 +474,7 @@ async def completions(request: Request) -> Response:
                 i,
                 echoed(i) + "".join(c.text),
                 c.finish_reason,
-                _completion_logprobs(state, c.logprobs, 0, as_ids) if want_lp else None,
+                logprobs(i, c.logprobs, c.prompt_logprobs, 0),
             )
             for i, c in enumerate(choices)
         ]

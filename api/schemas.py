@@ -120,6 +120,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | Annotated[list[str | int], Meta(min_length=1)]
+    max_tokens: Annotated[int, Meta(ge=0)] | None = None  # 0: the prompt only (with echo)
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     echo: bool = False
     suffix: str | None = None
@@ -214,9 +215,12 @@ class ChatCompletionChunk(Struct):
 
 
 class CompletionLogprobs(Struct):
+    """OpenAI's legacy shape. With echo the prompt's tokens come first, the first of them
+    with null (nothing precedes it), as OpenAI's legacy API and vLLM send it."""
+
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

@@ -67,6 +67,7 @@ class ServerState:
     experts: ExpertTelemetry | None = None  # router telemetry (MoE, sample rate > 0)
     reasoning: bool = False  # split <think> … </think> into reasoning_content (api.reasoning)
     tool_format: str | None = None  # the model's tool-call format (api.tool_calls), if served
+    renders_tools: bool = True  # the template writes `tools` (else the server adds them)
 
 
 def server_state(request: Request) -> ServerState:

@@ -80,7 +80,7 @@ def request_tools(
         return tool_setup(
             tools, req.tool_choice, req.parallel_tool_calls, state.tool_format,
             partial(_literal, state), "function<｜tool▁sep｜>" in state.template.source,
-            "[ARGS]" in state.template.source,
+            "[ARGS]" in state.template.source, state.renders_tools, partial(_special, state),
         )  # fmt: skip
     except ValueError as e:
         message, param = e.args
@@ -101,7 +101,11 @@ async def tool_grammar(state: ServerState, grammar: str) -> str:
 def _literal(state: ServerState, text: str) -> str:
     """Fixed text of a call's format as a lark terminal: by id where it is one special
     token in this vocabulary (what the model was trained to write), else quoted."""
+    tok = _special(state, text)
+    return f"<[{tok}]>" if tok is not None else json.dumps(text, ensure_ascii=False)
+
+
+def _special(state: ServerState, text: str) -> int | None:
+    """`text`'s id where it is one special token of this vocabulary."""
     ids = state.model.tokenize(text, add_special=False, parse_special=True)
-    if len(ids) == 1 and state.model.grammar_special(ids[0]):
-        return f"<[{ids[0]}]>"
-    return json.dumps(text, ensure_ascii=False)
+    return ids[0] if len(ids) == 1 and state.model.grammar_special(ids[0]) else None

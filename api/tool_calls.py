@@ -306,6 +306,12 @@ class ToolSetup:
     render: list[dict[str, Any]] | None = None  # tools for the template (None: none)
     parse: bool = False  # turn the answer's call text into tool_calls
     grammar: str | None = None  # `required` / named: the forced call's grammar (lark)
+    # `auto`: the grammar applies once the model writes this token (its format's start of
+    # the calls, one special token); None: a forced grammar, or none
+    trigger: int | None = None
+    # for a template that writes calls but never renders `tools` (DeepSeek V3.1's and
+    # R1's own): the tools and how to call them, for the system message (`with_prompt`)
+    prompt: str | None = None
 
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -314,9 +320,18 @@ _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 def tool_setup(
     tools: list[dict[str, Any]] | None, choice: str | dict[str, Any] | None, parallel: bool,
     fmt: str | None, literal: Callable[[str], str] | None = None, old_deepseek: bool = False,
-    args_style: bool = False,
+    args_style: bool = False, renders_tools: bool = True,
+    special: Callable[[str], int | None] | None = None,
 ) -> ToolSetup:  # fmt: skip
-    """`ValueError(message, param)` for what cannot be served."""
+    """`ValueError(message, param)` for what cannot be served. `renders_tools`: the
+    template writes `tools` into the prompt itself (else `ToolSetup.prompt` does);
+    `special`: a text's id where it is one special token of the model's vocabulary.
+
+    `auto` is lazy where the format's calls start with one special token (Qwen's
+    `<tool_call>`, DeepSeek's, Mistral's `[TOOL_CALLS]`): the answer is free until the
+    model writes it, then held to the calls' grammar — the model chooses whether to call,
+    not how a call is written. Llama 3's calls (a bare JSON answer) have no such start:
+    there `auto` is parsed only."""
     if not tools:
         if choice not in (None, "none"):
             raise ValueError("tool_choice needs tools", "tool_choice")
@@ -333,11 +348,16 @@ def tool_setup(
             "tools: this model's chat template writes no tool-call format the server knows "
             "(--tool-call-parser names one)", "tools",
         )  # fmt: skip
+    prompt = None if renders_tools else tool_prompt(tools, fmt, old_deepseek, args_style)
     if choice in (None, "auto"):
-        return ToolSetup(tools, parse=True)
+        trigger = special(FORMAT[fmt].begin) if special and fmt != LLAMA3 else None
+        if trigger is None:
+            return ToolSetup(tools, parse=True, prompt=prompt)
+        grammar = forced_grammar(tools, None, parallel, fmt, literal, old_deepseek, args_style)
+        return ToolSetup(tools, parse=True, grammar=grammar, prompt=prompt, trigger=trigger)
     if choice == "required":
         grammar = forced_grammar(tools, None, parallel, fmt, literal, old_deepseek, args_style)
-        return ToolSetup(tools, parse=True, grammar=grammar)
+        return ToolSetup(tools, parse=True, grammar=grammar, prompt=prompt)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(name, str):
         raise ValueError(
@@ -347,4 +367,64 @@ def tool_setup(
     if all(t["function"]["name"] != name for t in tools):
         raise ValueError(f"tool_choice names {name!r}, which is not in tools", "tool_choice")
     grammar = forced_grammar(tools, name, False, fmt, literal, old_deepseek, args_style)
-    return ToolSetup(tools, parse=True, grammar=grammar)
+    return ToolSetup(tools, parse=True, grammar=grammar, prompt=prompt)
+
+
+PROBE = "probe_function_0f3a"
+
+
+def renders_tools(render: Callable[[list[dict[str, Any]]], str]) -> bool:
+    """Does a template write the request's `tools` into the prompt? `render(tools)`
+    renders one user message with them. Several templates write the calls of a format
+    but not the tools (DeepSeek V3.1's and the R1 distills' own): the model would never
+    learn which functions it has. A template that fails on the probe counts as rendering
+    them (requests with tools fail on it anyway, by name)."""
+    probe = {"type": "function", "function": {"name": PROBE, "description": "probe",
+                                              "parameters": {"type": "object"}}}  # fmt: skip
+    try:
+        return PROBE in render([probe])
+    except ValueError:
+        return True
+
+
+def tool_prompt(
+    tools: list[dict[str, Any]], fmt: str, old_deepseek: bool = False, args_style: bool = False
+) -> str:
+    """The tools and the call syntax of `fmt`, for a template that does not render tools:
+    each function's name, description and parameters' JSON Schema, then the exact form a
+    call takes (the one the parser and the forced-call grammar read)."""
+    lines = ["## Tools", "", "You can call these functions:"]
+    for t in tools:
+        f = t["function"]
+        lines += ["", f"### {f['name']}"]
+        if f.get("description"):
+            lines.append(str(f["description"]))
+        params = json.dumps(f.get("parameters") or {"type": "object"}, ensure_ascii=False)
+        lines.append(f"Parameters (JSON Schema): {params}")
+    if fmt == DEEPSEEK_V3 and old_deepseek:
+        call = (
+            f"{DS_CALLS}{DS_OPEN}function{DS_SEP}NAME\n```json\n"
+            f'{{"arg": "value"}}\n```{DS_CLOSE}{DS_CALLS_END}'
+        )
+    elif fmt == DEEPSEEK_V3:
+        call = f'{DS_CALLS}{DS_OPEN}NAME{DS_SEP}{{"arg": "value"}}{DS_CLOSE}{DS_CALLS_END}'
+    elif fmt == MISTRAL and args_style:
+        call = f'{MS_CALLS}NAME[ARGS]{{"arg": "value"}}'
+    elif fmt == MISTRAL:
+        call = f'{MS_CALLS}[{{"name": "NAME", "arguments": {{"arg": "value"}}}}]'
+    elif fmt == LLAMA3:
+        call = '{"name": "NAME", "parameters": {"arg": "value"}}'
+    else:
+        call = f'{OPEN}\n{{"name": "NAME", "arguments": {{"arg": "value"}}}}\n{CLOSE}'
+    lines += ["", "To call a function, answer with exactly this, NAME and the arguments "
+              "filled in (several calls one after another where the answer needs them):",
+              call]  # fmt: skip
+    return "\n".join(lines)
+
+
+def with_prompt(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """`text` at the end of the system message (a new one first, where there is none)."""
+    if messages and messages[0]["role"] == "system":
+        first = {**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]

@@ -198,7 +198,9 @@ def run(args: argparse.Namespace) -> tuple[Results, Setup]:
     gpu = args.gpu if args.gpu is not None else shutil.which("nvidia-smi") is not None
     if args.peer_bin:
         bin_dir = Path(args.peer_bin)
-        peers = Peers(bin_dir / "llama-server", bin_dir / "llama-batched-bench")
+        peers = Peers(
+            bin_dir / "llama-server", bin_dir / "llama-batched-bench", bin_dir / "llama-perplexity"
+        )
     else:
         peers = ensure_peers(cache, cuda=gpu)
     model = Path(args.model) if args.model else _embedded()

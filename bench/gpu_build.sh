@@ -29,6 +29,7 @@ cmake -S "$L" -B "$L/build" -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=9
   -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF \
   -DLLAMA_USE_PREBUILT_UI=OFF -DBUILD_SHARED_LIBS=ON -DCMAKE_BUILD_TYPE=Release > "$W/cmake.log"
 cmake --build "$L/build" -j"$(nproc)" --target llama llama-batched-bench llama-server \
+  llama-perplexity \
   > "$W/build.log" 2>&1 || { tail -30 "$W/build.log"; exit 1; }
 wait
 ls -la "$L/build/bin" "$W/moe30.gguf"

@@ -1,5 +1,6 @@
-"""Build the llama.cpp peers — `llama-server` and `llama-batched-bench` — from the very
-sources llama-cpp-python vendors, so both servers run the same kernels.
+"""Build the llama.cpp peers — `llama-server`, `llama-batched-bench` and
+`llama-perplexity` — from the very sources llama-cpp-python vendors, so both servers run
+the same kernels.
 
 The build is cached under the bench cache folder (ignored by git) and reused while the
 binaries exist. On a host with a GPU (or with cuda=True) it is a CUDA build.
@@ -24,6 +25,7 @@ LLAMA_CPP_PYTHON = "0.3.36"
 class Peers:
     server: Path
     batched_bench: Path
+    perplexity: Path
 
 
 def _sdist(cache: Path) -> Path:
@@ -54,17 +56,24 @@ def _sdist(cache: Path) -> Path:
     return cache / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
 
 
-def ensure_peers(cache: Path, *, cuda: bool) -> Peers:
-    out = cache / f"peers-{LLAMA_CPP_PYTHON}-{'cuda' if cuda else 'cpu'}"
-    peers = Peers(out / "llama-server", out / "llama-batched-bench")
-    if peers.server.exists() and peers.batched_bench.exists():
-        return peers
+def llama_cpp_source(cache: Path) -> Path:
+    """The llama.cpp tree llama-cpp-python vendors, unpacked under `cache` (its
+    `models/templates` holds real models' chat templates, which the tests render)."""
     src = cache / "src"
     root = src / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
     if not (root / "CMakeLists.txt").exists():
         src.mkdir(parents=True, exist_ok=True)
         with tarfile.open(_sdist(cache)) as tar:
             tar.extractall(src, filter="data")
+    return root
+
+
+def ensure_peers(cache: Path, *, cuda: bool) -> Peers:
+    out = cache / f"peers-{LLAMA_CPP_PYTHON}-{'cuda' if cuda else 'cpu'}"
+    peers = Peers(out / "llama-server", out / "llama-batched-bench", out / "llama-perplexity")
+    if all(p.exists() for p in (peers.server, peers.batched_bench, peers.perplexity)):
+        return peers
+    root = llama_cpp_source(cache)
     build = root / ("build-cuda" if cuda else "build-cpu")
     flags = [
         "-DCMAKE_BUILD_TYPE=Release",
@@ -96,10 +105,11 @@ def ensure_peers(cache: Path, *, cuda: bool) -> Peers:
             "--target",
             "llama-server",
             "llama-batched-bench",
+            "llama-perplexity",
         ],
         check=True,
     )
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("llama-server", "llama-batched-bench"):
+    for name in ("llama-server", "llama-batched-bench", "llama-perplexity"):
         shutil.copy2(build / "bin" / name, out / name)
     return peers

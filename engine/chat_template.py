@@ -16,6 +16,7 @@ ends the prompt right after the last message's content, so the model continues i
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from importlib import resources
@@ -47,10 +48,23 @@ def _tojson(
     x: Any, ensure_ascii: bool = False, indent: int | None = None,
     separators: tuple[str, str] | None = None, sort_keys: bool = False,
 ) -> str:  # fmt: skip
-    """transformers' `tojson`: plain `json.dumps` (jinja's own escapes <, >, & and ')."""
+    """transformers' `tojson`: plain `json.dumps` (jinja's own escapes <, >, & and '),
+    and what `map` or `select` give (generators) as lists, as llama.cpp's renderer takes
+    them (its DeepSeek R1 template writes `tools | map(...) | tojson`)."""
     return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        x,
+        ensure_ascii=ensure_ascii,
+        indent=indent,
+        separators=separators,
+        sort_keys=sort_keys,
+        default=_listed,
     )
+
+
+def _listed(x: Any) -> list[Any]:
+    if isinstance(x, Iterator):
+        return list(x)
+    raise TypeError(f"{type(x).__name__} is not JSON serializable")
 
 
 def _strftime_now(fmt: str) -> str:

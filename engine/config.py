@@ -15,6 +15,9 @@ def default_threads() -> int:
     return max(1, n)
 
 
+DEFAULT_PROMPT_LOGPROB_ROWS = 64
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """How to load the model and its one context.
@@ -32,6 +35,11 @@ class EngineConfig:
     n_cached_seqs: int = 0
     n_batch: int = 2048
     n_ubatch: int = 512
+    # Logit rows one call may return for the prompt's own logprobs (echo + logprobs): a
+    # prompt scored that way goes in chunks of at most this many tokens. llama.cpp sizes
+    # the compute buffer for max(this, sequence ids) rows (64 rows of a 152K vocabulary:
+    # 39 MiB); 0 refuses prompt logprobs.
+    prompt_logprob_rows: int = DEFAULT_PROMPT_LOGPROB_ROWS
     n_threads: int = 0  # 0 = all cores this process may use
     n_threads_batch: int = 0
     flash_attn: FlashAttn = "auto"

@@ -45,6 +45,7 @@ class Context:
         device_greedy: bool,
         swa_full: bool = False,
         tap: ExpertTap | None = None,
+        score_rows: int = 0,
     ) -> None:
         self.ll = ll
         self.tap = tap  # router-choice telemetry (engine.expert_tap); the context borrows it
@@ -62,9 +63,10 @@ class Context:
         # ubatches and a 152K vocabulary that is 297 MiB of VRAM for 32 users' 19. llama.cpp
         # asserts (aborts) that a batch's outputs, and its own n_seq_max, stay within it:
         # the runner refuses a batch with more outputs than `n_outputs_max` first. (So the
-        # prefix cache's holder ids, which never output, cost a row each too.)
-        cparams.n_outputs_max = cparams.n_seq_max
-        self.n_outputs_max = cparams.n_seq_max
+        # prefix cache's holder ids, which never output, cost a row each too.) A prompt's
+        # own logprobs need a row per token: `score_rows` of them in a call of their own.
+        cparams.n_outputs_max = max(cparams.n_seq_max, score_rows)
+        self.n_outputs_max = cparams.n_outputs_max
         cparams.n_threads, cparams.n_threads_batch = threads
         cparams.flash_attn_type = _FLASH[flash_attn]
         cparams.kv_unified = unified

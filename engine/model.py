@@ -231,7 +231,7 @@ class Model:
             self.ll, self.model, n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=cfg.n_batch,
             n_ubatch=n_ubatch or cfg.n_ubatch, threads=cfg.threads(),
             flash_attn=cfg.flash_attn, unified=unified, device_greedy=device_greedy, tap=tap,
-            swa_full=swa_full,
+            swa_full=swa_full, score_rows=cfg.prompt_logprob_rows,
         )  # fmt: skip
         self.contexts.append(ctx)
         return ctx

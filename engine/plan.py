@@ -52,12 +52,19 @@ class Budgets(msgspec.Struct, frozen=True):
     ram: int  # bytes of host RAM the plan may use
 
 
+def output_rows(seq_ids: int, prompt_logprob_rows: int) -> int:
+    """The logit rows a context is sized for (`PlanOptions.n_outputs`): a row per llama.cpp
+    sequence id (twice the server's ids where device greedy may run), or a scored prompt's
+    call (engine.context)."""
+    return max(2 * seq_ids, prompt_logprob_rows)
+
+
 class PlanOptions(msgspec.Struct, frozen=True):
     kv_tokens: int = 16384  # KV cells over all sequences and contexts
     n_ubatch: int = 512
     contexts: int = 1  # llama contexts sharing the weights (each has compute buffers)
-    # Logit rows a context's step may ask for: the server's sequences (engine.context sets
-    # llama.cpp's n_outputs_max to them). 0: n_ubatch, llama.cpp's default sizing.
+    # Logit rows a context's call may ask for (`output_rows`; engine.context sets llama.cpp's
+    # n_outputs_max to them). 0: n_ubatch, llama.cpp's default sizing.
     n_outputs: int = 0
     # The CUDA context, cuBLAS workspace and allocator slack: what a process uses beyond the
     # buffers modelled here. Measured on an H200 (CUDA 13, nvidia-smi, a 30B MoE): 244-311 MiB

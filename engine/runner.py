@@ -21,8 +21,17 @@ from engine.errors import InvalidBatch, raise_for_decode
 from engine.kv_swap import SwapStore
 from engine.model import Model
 from engine.native_step import NativeStep
-from engine.sampling import SamplerBank
-from engine.step_types import KVOp, Release, SeqChunk, Share, StepBatch, StepResult, Trim
+from engine.sampling import SamplerBank, prompt_logprobs
+from engine.step_types import (
+    KVOp,
+    Release,
+    Sampled,
+    SeqChunk,
+    Share,
+    StepBatch,
+    StepResult,
+    Trim,
+)  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +140,43 @@ class Engine:
             self.sampler.release(op.seq)
 
     def _run(self, chunks: list[SeqChunk], t_start: float) -> StepResult:
+        scored: dict[int, list[Sampled]] = {}
+        if any(c.targets for c in chunks):
+            chunks = [self._score(c, scored) for c in chunks]
+            chunks = [c for c in chunks if c.tokens]
+        result = self._run_chunks(chunks, t_start)
+        result.prompt_logprobs = scored
+        return result
+
+    def _score(self, chunk: SeqChunk, scored: dict[int, list[Sampled]]) -> SeqChunk:
+        """Prompt logprobs: the chunk's first len(targets) tokens in a call of their own
+        with a logit row each (a step's main call has one row per sequence, and the native
+        sampler reads rows in that order); returns what is left of the chunk for the main
+        call (its last token when it samples, else nothing)."""
+        targets = chunk.targets
+        if not targets:
+            return chunk
+        k = len(targets)
+        if k > self.context.n_outputs_max:
+            raise InvalidBatch(
+                f"{k} prompt logprob rows exceed the {self.context.n_outputs_max} outputs "
+                "a call may have"
+            )
+        ids = self._llama_id
+        self._tok[:k] = chunk.tokens[:k]
+        self._pos[:k] = range(chunk.pos0, chunk.pos0 + k)
+        self._seq[:k] = ids.get(chunk.seq_id, chunk.seq_id)
+        self._out[:k] = 1
+        self._batch.n_tokens = k
+        rc, _ = self.native.decode_sample([])
+        raise_for_decode(rc)
+        ptr = self.ll.llama_get_logits(self._ctx)
+        rows = np.ctypeslib.as_array(ptr, shape=(k, self.model.n_vocab))
+        top = self.sampler.params(chunk.seq_id).prompt_logprobs or 0
+        scored[chunk.seq_id] = prompt_logprobs(rows, targets, top)
+        return SeqChunk(chunk.seq_id, chunk.tokens[k:], chunk.pos0 + k, chunk.sample)
+
+    def _run_chunks(self, chunks: list[SeqChunk], t_start: float) -> StepResult:
         if not chunks:
             return StepResult({}, fill_s=time.perf_counter() - t_start)
         if not self.solo:
@@ -169,9 +215,9 @@ class Engine:
             seqs += [ids.get(c.seq_id, c.seq_id)] * k
             if c.sample:
                 want.append((c.seq_id, len(toks) - 1))
-        if len(want) > self.context.n_outputs_max:
+        if len(want) > self.context.n_slots:
             raise InvalidBatch(
-                f"{len(want)} sampled chunks exceed the {self.context.n_outputs_max} outputs "
+                f"{len(want)} sampled chunks exceed the {self.context.n_slots} outputs "
                 "a step may have (one per sequence)"
             )
         self._tok[:n] = toks

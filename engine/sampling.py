@@ -48,6 +48,7 @@ class SamplerBank:
         self.ll = ll
         self.grammars = grammars
         self._constraints: dict[int, Constraint] = {}
+        self._dormant: dict[int, tuple[Constraint, int]] = {}  # lazy ones, and their trigger
         self._min_left: dict[int, int] = {}  # tokens until end tokens are allowed
         self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="masks")
         self._masks: Any = None  # this step's mask job (a future), if any
@@ -73,9 +74,16 @@ class SamplerBank:
             if self.grammars is None:
                 raise GrammarError("this engine has no grammar support")
             c = self.grammars.constraint(p.grammar)
-            c.consume(s.history)  # a restarted sequence goes on where it was
-            self._constraints[s.seq_id] = c
-            self.native.masked[s.seq_id] = 1
+            # a restarted sequence goes on where it was; a lazy grammar from its trigger
+            trigger = p.grammar_trigger
+            if trigger is not None and trigger not in s.history:
+                self._dormant[s.seq_id] = (c, trigger)
+            else:
+                c.consume(
+                    s.history[s.history.index(trigger) :] if trigger is not None else s.history
+                )
+                self._constraints[s.seq_id] = c
+                self.native.masked[s.seq_id] = 1
         elif mode == ROW_GREEDY and self.device_greedy and not p.logprobs and not p.needs_host_row:
             self._on_device.add(s.seq_id)
             return True
@@ -93,6 +101,7 @@ class SamplerBank:
 
     def release(self, seq_id: int) -> None:
         self._constraints.pop(seq_id, None)
+        self._dormant.pop(seq_id, None)
         self._min_left.pop(seq_id, None)
         self._on_device.discard(seq_id)
         self.native.clear_slot(seq_id)
@@ -105,6 +114,7 @@ class SamplerBank:
         for seq_id in list(self._chains):
             self.release(seq_id)
         self._constraints.clear()
+        self._dormant.clear()
         self._mask_thread.shutdown()
         if self._pool is not None:
             self._pool.shutdown()
@@ -171,6 +181,9 @@ class SamplerBank:
         add(chain, ll.llama_sampler_init_dist(seed))
         return chain
 
+    def params(self, seq_id: int) -> SamplingParams:
+        return self._params[seq_id]
+
     def finish(self, want: list[tuple[int, int]], native_out: np.ndarray) -> dict[int, Sampled]:
         """The step's tokens: `native_out[j]` for row j of `want` ((seq_id, batch index), in
         batch order) where the native code sampled it, else the device's token or the
@@ -206,6 +219,11 @@ class SamplerBank:
             for (j, _), tok in zip(jobs, picks, strict=True):
                 tokens[j] = tok
         for j, (seq_id, _) in enumerate(want):
+            lazy = self._dormant.get(seq_id)
+            if lazy is not None and tokens[j] == lazy[1]:  # the call starts: masks from now
+                self._constraints[seq_id] = lazy[0]
+                del self._dormant[seq_id]
+                self.native.masked[seq_id] = 1
             c = self._constraints.get(seq_id)
             if c is not None:
                 c.consume([tokens[j]])
@@ -235,6 +253,24 @@ class SamplerBank:
     def _sample_chain(self, job: tuple[Any, int]) -> int:
         chain, batch_idx = job
         return int(self.ll.llama_sampler_sample(chain, self.ctx, batch_idx))
+
+
+def prompt_logprobs(rows: np.ndarray, targets: list[int], k: int) -> list[Sampled]:
+    """Row i's logprob of targets[i] (the prompt token after row i's), with the `k` most
+    likely: what OpenAI's echo + logprobs reports for a prompt. The rows at once, in
+    float32 with float64 sums: a 512-token prompt of a 262K vocabulary is 134M logits."""
+    n = len(targets)
+    x = rows[:n]
+    m = x.max(axis=1)
+    lse = m.astype(np.float64) + np.log(np.exp(x - m[:, None]).sum(axis=1, dtype=np.float64))
+    picked = x[np.arange(n), np.asarray(targets)].astype(np.float64) - lse
+    top: list[list[tuple[int, float]]] = [[] for _ in range(n)]
+    if k > 0:
+        idx = np.argpartition(-x, k - 1, axis=1)[:, :k]
+        for i in range(n):
+            order = idx[i][np.argsort(-x[i, idx[i]], kind="stable")]
+            top[i] = [(int(j), float(x[i, j] - lse[i])) for j in order]
+    return [Sampled(t, float(picked[i]), top[i]) for i, t in enumerate(targets)]
 
 
 def _with_logprobs(token: int, row: np.ndarray, k: int) -> Sampled:

@@ -24,8 +24,14 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     grammar: str | None = None  # constrained output (engine.grammar): the compiled grammar
+    # a lazy grammar: it applies from the first time this token is sampled (`tool_choice`
+    # auto: the model's own start of a call), the output before it is free
+    grammar_trigger: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit)
     min_tokens: int = 0  # end-of-generation tokens are not sampled before this many
+    # The prompt's own logprobs (completions echo + logprobs): each prompt token's, with
+    # this many most likely alternatives; None: not asked for
+    prompt_logprobs: int | None = None
 
     @property
     def needs_host_row(self) -> bool:
@@ -53,6 +59,9 @@ class SeqChunk:
     tokens: list[int]
     pos0: int
     sample: bool  # sample a next token from the logits of the chunk's last token
+    # Prompt logprobs: the tokens that follow the chunk's first len(targets) tokens (the
+    # prompt's next ones); the engine returns each one's logprob given what precedes it.
+    targets: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -136,6 +145,8 @@ class StepResult:
 
     sampled: dict[int, Sampled]
     fill_s: float = 0.0  # releases, sampler starts, batch fill
+    # per sequence, one per entry of its chunk's `targets`: that token and its logprobs
+    prompt_logprobs: dict[int, list[Sampled]] = field(default_factory=dict)
     decode_s: float = 0.0  # time inside llama_decode
     sample_s: float = 0.0  # time sampling and computing logprobs
     gil_s: float = 0.0  # after the native step, waiting for Python's GIL (another thread held it)

@@ -51,6 +51,7 @@ class SchedulerConfig:
     prefix_cache: bool = False  # finished sequences' KV stays as a cache new prompts read
     max_cached_seqs: int = 0  # sequence ids kept for the cache, beyond max_num_seqs
     sliding_window: int = 0  # the model's attention window, if it has one (see prefix.py)
+    prompt_logprob_rows: int = 64  # a scored prompt's chunk cap (the engine's rows per call)
 
 
 @dataclass(slots=True)
@@ -126,6 +127,9 @@ class Scheduler:
         (`QueueFull`, see `check_room`)."""
         self.check_room(reqs[0].client, len(reqs))
         for req in reqs:
+            if req.params.prompt_logprobs is not None:
+                # every prompt position needs its logit row: computed, never read
+                req.cache_prompt = False
             self.waiting.append(req)
             self._by_id[req.req_id] = req
 
@@ -219,7 +223,7 @@ class Scheduler:
                 continue
             req.split_at = self._offer_point(req, req.num_computed, req.shared)
             n = timer.grant(
-                min(req.num_uncomputed, budget, self._chunk_cap(), self._until_split(req)),
+                min(req.num_uncomputed, budget, self._chunk_cap(req), self._until_split(req)),
                 req.num_computed,
                 req.num_uncomputed,
             )
@@ -271,7 +275,7 @@ class Scheduler:
             split = self._offer_point(req, cached, cached)
             cap = split - cached if split is not None else rest
             n = timer.grant(
-                min(rest, budget, self._chunk_cap(), cap), req.num_computed + cached, rest
+                min(rest, budget, self._chunk_cap(req), cap), req.num_computed + cached, rest
             )
             if n < 1:
                 break
@@ -324,7 +328,10 @@ class Scheduler:
         for req, n in plan.values():
             assert req.seq_id is not None
             pos0 = req.num_computed
-            chunk = SeqChunk(req.seq_id, req.tokens_from(pos0, n), pos0, pos0 + n == req.num_tokens)
+            sample = pos0 + n == req.num_tokens and req.max_tokens > 0
+            chunk = SeqChunk(
+                req.seq_id, req.tokens_from(pos0, n), pos0, sample, req.targets(pos0, n)
+            )
             out.batch.chunks.append(chunk)
             out.reqs.append(req)
             if not (n == 1 and req.output_ids and pos0 + 1 == req.num_tokens):
@@ -623,8 +630,9 @@ class Scheduler:
             total += self.growth.cells(r.max_tokens - len(r.output_ids))
         return total
 
-    def _chunk_cap(self) -> int:
-        return self.cfg.max_prefill_chunk or self.cfg.max_num_batched_tokens
+    def _chunk_cap(self, req: Request) -> int:
+        cap = self.cfg.max_prefill_chunk or self.cfg.max_num_batched_tokens
+        return min(cap, self.cfg.prompt_logprob_rows) if req.scores_prompt else cap
 
     def _reserve(
         self, req: Request, n: int, plan: dict[str, tuple[Request, int]]
@@ -812,6 +820,8 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue
             req.num_computed += len(chunk.tokens)
+            if chunk.targets:
+                self._scored(req, chunk, result.prompt_logprobs[chunk.seq_id])
             if (
                 self.prefix is not None and req.cache_prompt
                 and (req.num_computed == req.split_at
@@ -820,7 +830,20 @@ class Scheduler:
                 self._publish(req)
             if chunk.sample:
                 outputs.append(self._append(req, result.sampled[chunk.seq_id], now, stats))
+            elif req.max_tokens == 0 and req.num_computed == req.num_prompt:
+                # only the prompt was asked for (echo with logprobs): it is done
+                self._finish(req, RequestStatus.FINISHED_LENGTH, now, stats.finished)
+                outputs.append(self._output(req, "", [], "length"))
         return outputs, self._close_stats(stats)
+
+    @staticmethod
+    def _scored(req: Request, chunk: SeqChunk, scored: list[Sampled]) -> None:
+        """Keep the chunk's prompt logprobs not kept already (a recomputed chunk scores
+        positions again)."""
+        have = req.prompt_logprobs
+        for i, s in enumerate(scored):
+            if chunk.pos0 + 1 + i == len(have) + 1:
+                have.append(s)
 
     def fail(self, out: SchedulerOutput, now: float) -> tuple[list[RequestOutput], StepStats]:
         """The engine failed this step: end its requests with `error`, keep the rest going."""
@@ -877,6 +900,8 @@ class Scheduler:
         finish_reason: str | None,
         logprobs: list[Sampled] | None = None,
     ) -> RequestOutput:
+        # the prompt's logprobs ride on its first output
+        scored = req.params.prompt_logprobs is not None and len(req.output_ids) <= 1
         return RequestOutput(
             req_id=req.req_id,
             text=text,
@@ -886,6 +911,7 @@ class Scheduler:
             num_prompt_tokens=req.num_prompt,
             num_output_tokens=len(req.output_ids),
             num_cached_tokens=req.num_cached,
+            prompt_logprobs=req.prompt_logprobs if scored else None,
         )
 
     def _close_stats(self, stats: StepStats) -> StepStats:

@@ -81,6 +81,8 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     max_gap_s: float = 0.0  # longest wait between two of its tokens (the stall it saw)
+    # params.prompt_logprobs: prompt tokens 1, 2, ... scored so far, in order
+    prompt_logprobs: list[Sampled] = field(default_factory=list)
 
     @property
     def num_prompt(self) -> int:
@@ -93,6 +95,22 @@ class Request:
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
+
+    @property
+    def scores_prompt(self) -> bool:
+        """It wants the prompt's own logprobs and some are still to come."""
+        return (
+            self.params.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < self.num_prompt - 1
+        )
+
+    def targets(self, pos0: int, n: int) -> list[int] | None:
+        """For a chunk of `n` tokens from `pos0`: the prompt tokens its rows score (each
+        row the next token's), None when it adds none not scored already."""
+        end = min(pos0 + n, self.num_prompt - 1)
+        if self.params.prompt_logprobs is None or end <= len(self.prompt_logprobs):
+            return None
+        return self.prompt_ids[pos0 + 1 : end + 1]
 
     @property
     def is_decoding(self) -> bool:
@@ -120,3 +138,5 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0  # of the prompt tokens, those read from the prefix cache
+    # the prompt's own logprobs (tokens 1.. of it), on the request's first output
+    prompt_logprobs: list[Sampled] | None = None

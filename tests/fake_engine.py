@@ -247,6 +247,14 @@ class FakeEngine:
         if self.capacity is not None and self.kv_used + batch.num_tokens > self.capacity:
             raise KVCacheFull(f"{self.kv_used} + {batch.num_tokens} > {self.capacity}")
         for c in chunks:
+            if c.targets:
+                # row i scores the token after chunk token i: the chunk's own next ones
+                inside = c.targets[: len(c.tokens) - 1]
+                if inside != c.tokens[1 : len(inside) + 1] or len(c.targets) > len(c.tokens):
+                    raise ContractViolation(f"step {i}: seq {c.seq_id} targets off its tokens")
+                swap.prompt_logprobs[c.seq_id] = [
+                    Sampled(t, prompt_logprob(c.pos0 + 1 + j, t)) for j, t in enumerate(c.targets)
+                ]
             self.kv[c.seq_id].extend(self._new_cells(c.pos0, c.tokens))
             if c.sample:
                 swap.sampled[c.seq_id] = Sampled(self.sample(self.history(c.seq_id)))
@@ -259,6 +267,12 @@ class FakeEngine:
         return swap
 
 
+def prompt_logprob(pos: int, token: int) -> float:
+    """The fake's logprob of prompt `token` at position `pos`: the same however the prompt
+    is chunked or recomputed."""
+    return -0.001 * pos - 0.01 * token
+
+
 def make_request(
     req_id: str,
     prompt: Sequence[int],
@@ -268,12 +282,13 @@ def make_request(
     stops: tuple[str, ...] = (),
     logprobs: bool = False,
     client: str | None = None,
+    prompt_logprobs: int | None = None,
 ) -> Request:
     """A greedy request whose text comes from `token_bytes`; its own client unless told."""
     return Request(
         req_id=req_id,
         prompt_ids=list(prompt),
-        params=SamplingParams(temperature=0, logprobs=logprobs),
+        params=SamplingParams(temperature=0, logprobs=logprobs, prompt_logprobs=prompt_logprobs),
         max_tokens=max_tokens,
         arrival_time=arrival,
         detok=IncrementalDetokenizer(token_bytes),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import statistics
 import time
 from collections.abc import Awaitable, Callable
@@ -620,7 +621,7 @@ def test_chat_rendering_options(server: Server) -> None:
 
 def test_echo_returns_the_prompt_before_the_completion(server: Server) -> None:
     """`echo`: each choice's text starts with its prompt, streamed or not (token-id prompts
-    rendered as text); echo with logprobs (the prompt's own) is a 400 naming `echo`."""
+    rendered as text)."""
     c = client(server)
     kw: dict[str, Any] = {"model": MODEL, "max_tokens": 4, "temperature": 0,
                           "extra_body": {"cache_prompt": False}}  # fmt: skip
@@ -634,6 +635,63 @@ def test_echo_returns_the_prompt_before_the_completion(server: Server) -> None:
     texts = [ch.text for ch in sorted(two.choices, key=lambda x: x.index)]
     assert [t[: len(p)] for t, p in zip(texts, ["The sea"] * 2 + ["A river"] * 2, strict=True)] \
         == ["The sea"] * 2 + ["A river"] * 2  # (choices of each prompt: n in a row)  # fmt: skip
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_generation_scored_it(server: Server) -> None:
+    """echo + logprobs (lm-evaluation-harness's loglikelihood, perplexity): the prompt's
+    tokens come back with their logprobs, the first with null. Scoring a text the model
+    generated gives back, token for token, the logprobs it had when generating it — over
+    a prompt longer than one call's 64 rows, so it is scored in chunks. max_tokens 0 returns
+    the prompt alone; the same request streamed says the same.
+
+    Read as raw JSON through the official client: the first token's null logprob is what
+    OpenAI's legacy API and vLLM send, which the client's own types do not allow."""
+    c = client(server)
+    base = PROMPT * 12  # ~100 tokens
+    kw: dict[str, Any] = {"model": MODEL, "temperature": 0, "extra_body": {"cache_prompt": False}}
+    gen = c.completions.create(prompt=base, max_tokens=24, logprobs=2, **kw)
+    ch = gen.choices[0]
+    assert ch.logprobs and ch.logprobs.tokens and ch.logprobs.token_logprobs
+    text = base + ch.text
+    raw = c.completions.with_raw_response.create(
+        prompt=text, max_tokens=0, echo=True, logprobs=2, **kw
+    )
+    got = raw.http_response.json()
+    (choice,) = got["choices"]
+    lp = choice["logprobs"]
+    assert choice["text"] == text and choice["finish_reason"] == "length"
+    n = got["usage"]["prompt_tokens"]
+    assert got["usage"]["completion_tokens"] == 0 and n > 64 + 24
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == n
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(v is not None and v <= 0 for v in lp["token_logprobs"][1:])
+    # the generated tokens, scored as a prompt: the logprobs generation reported
+    tail, want = lp["tokens"][-24:], ch.logprobs.tokens
+    assert tail == want
+    for a, b in zip(lp["token_logprobs"][-24:], ch.logprobs.token_logprobs, strict=True):
+        assert abs(a - b) <= 0.02 + 0.01 * abs(b), (a, b)
+    for top, tok in zip(lp["top_logprobs"][-24:], want, strict=True):
+        assert len(top) == 2 and max(top, key=top.get) == tok  # greedy: its own argmax
+    # offsets index the echoed text; the tokens' texts spell it after the first (BOS)
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][-1] < len(text)
+    assert "".join(lp["tokens"][1:]) == text
+    # with a completion: the prompt's part, then the generated tokens'
+    more = c.completions.with_raw_response.create(
+        prompt=text, max_tokens=3, echo=True, logprobs=1, **kw
+    ).http_response.json()["choices"][0]
+    assert more["logprobs"]["tokens"][:n] == lp["tokens"]
+    assert len(more["logprobs"]["tokens"]) == n + 3
+    assert more["logprobs"]["text_offset"][n] == len(text)
+    assert more["text"].startswith(text)
+    # streamed: the prompt's logprobs come in the first chunk
+    with httpx.stream("POST", server.base_url + "/completions", timeout=60, json={
+        "model": MODEL, "prompt": text, "max_tokens": 3, "echo": True, "logprobs": 1,
+        "temperature": 0, "stream": True, "cache_prompt": False,
+    }) as r:  # fmt: skip
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]  # fmt: skip
+    streamed = [t for e in events for t in e["choices"][0]["logprobs"]["tokens"]]
+    assert streamed == more["logprobs"]["tokens"]
     with pytest.raises(openai.BadRequestError) as e:
-        c.completions.create(prompt=PROMPT, echo=True, logprobs=1, **kw)
-    assert e.value.body["param"] == "echo"  # type: ignore[index]
+        c.completions.create(prompt=PROMPT, max_tokens=0, **kw)
+    assert e.value.body["param"] == "max_tokens"  # type: ignore[index]

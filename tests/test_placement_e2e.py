@@ -18,9 +18,10 @@ import pytest
 
 from bench.server_proc import ROOT, Server, free_port, start_server
 from engine._capi import llama
+from engine.config import DEFAULT_PROMPT_LOGPROB_ROWS
 from engine.devices import gpu_memory
 from engine.gguf_meta import read_meta
-from engine.plan import PlanOptions, vram_for_expert_share
+from engine.plan import PlanOptions, output_rows, vram_for_expert_share
 from tests.test_api_e2e import client, metrics
 from tests.tiny_gguf import Shape, write_qwen3moe
 
@@ -45,7 +46,8 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def budget(model: Path) -> int:
     """Room for the non-expert part, the server's reserves and 60% of the expert bytes:
     two layers' experts whole on the GPU, one tensor of a third."""
-    opts = PlanOptions(kv_tokens=N_CTX, n_ubatch=N_UBATCH, n_outputs=2 * (N_SEQ + N_CACHED))
+    rows = output_rows(N_SEQ + N_CACHED, DEFAULT_PROMPT_LOGPROB_ROWS)
+    opts = PlanOptions(kv_tokens=N_CTX, n_ubatch=N_UBATCH, n_outputs=rows)
     return vram_for_expert_share(read_meta(model), opts, 0.6)
 
 

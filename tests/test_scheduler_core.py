@@ -23,6 +23,7 @@ from tests.fake_engine import (
     FakeEngine,
     make_request,
     next_token,
+    prompt_logprob,
     reference,
     token_bytes,
 )
@@ -134,7 +135,10 @@ def check_batch(
         assert 1 <= len(chunk.tokens) <= cap
         assert chunk.pos0 == req.num_computed
         assert chunk.tokens == req.tokens_from(chunk.pos0, len(chunk.tokens))
-        assert chunk.sample == (chunk.pos0 + len(chunk.tokens) == req.num_tokens)
+        ends = chunk.pos0 + len(chunk.tokens) == req.num_tokens
+        assert chunk.sample == (ends and req.max_tokens > 0)
+        if chunk.targets:  # a scored prompt's chunk: a logit row per token it scores
+            assert len(chunk.tokens) <= cfg.prompt_logprob_rows
         is_decode.append(req.req_id in still)
         if req.req_id in still:
             assert len(chunk.tokens) == 1 and chunk.sample
@@ -1371,3 +1375,71 @@ def test_with_a_sliding_window_older_turns_give_up_their_pins_first() -> None:
             assert r.num_cached == len(ids) - 2  # all the last turn computed
         ids = [*ids, *r.output_ids, 5 + turn]
         d.assert_matches_reference(r.req_id)
+
+
+def _scored_prompt(out: RequestOutput, ids: list[int]) -> list[tuple[int, float]]:
+    assert out.prompt_logprobs is not None
+    got = [(s.token, s.logprob) for s in out.prompt_logprobs]
+    assert got == [(t, prompt_logprob(p, t)) for p, t in enumerate(ids) if p > 0]
+    return got
+
+
+def test_prompt_logprobs_score_every_prompt_token_once_in_chunks_of_the_rows() -> None:
+    """echo + logprobs: every prompt token after the first gets its logprob, in order, on
+    the request's first output; its chunks stay within the engine's rows per call, and it
+    never reads the prefix cache (a cached prefix has no logit rows) while others beside it
+    run as usual."""
+    d = Driver(
+        cfg(max_num_batched_tokens=64, prefix_cache=True, max_cached_seqs=4,
+            prompt_logprob_rows=16)
+    )  # fmt: skip
+    ids = prompt(150)
+    d.add(make_request("warm", ids, 3))
+    d.run()
+    scored = d.add(make_request("scored", ids, 4, prompt_logprobs=2))
+    d.add(make_request("beside", prompt(90, 1), 20))
+    d.run()
+    assert scored.num_cached == 0
+    first = d.streams["scored"][0]
+    assert len(_scored_prompt(first, ids)) == 149
+    assert all(o.prompt_logprobs is None for o in d.streams["scored"][1:])
+    assert all(o.prompt_logprobs is None for o in d.streams["beside"])
+    d.assert_matches_reference("scored")
+    d.assert_matches_reference("beside")
+    sizes = [len(c.tokens) for s in d.steps for r, c in zip(s.out.reqs, s.out.batch.chunks,
+                                                           strict=True) if r is scored]  # fmt: skip
+    assert max(sizes) == 16  # capped (the step budget alone would give 63)
+
+
+def test_a_prompt_only_request_finishes_when_its_prompt_is_scored() -> None:
+    """max_tokens 0 with echo (lm-evaluation-harness's loglikelihood): no token is sampled;
+    the request ends with `length` and its prompt's logprobs."""
+    d = Driver(cfg(max_num_batched_tokens=32, prompt_logprob_rows=8))
+    ids = prompt(40)
+    req = d.add(make_request("lp", ids, 0, prompt_logprobs=0))
+    d.run()
+    (out,) = d.streams["lp"]
+    assert out.finish_reason == "length" and out.token_ids == [] and req.output_ids == []
+    assert len(_scored_prompt(out, ids)) == 39
+    assert not any(c.sample for s in d.steps for c in s.out.batch.chunks)
+
+
+def test_prompt_logprobs_survive_a_preemption_without_repeats() -> None:
+    """A scored request preempted mid-prompt recomputes what it lost and scores each
+    position once: the list is the same as when it runs alone."""
+    d = Driver(cfg(max_num_seqs=2, kv_capacity=56, max_num_batched_tokens=16,
+                   reserve_growth=False, prompt_logprob_rows=8))  # fmt: skip
+    hog = d.add(make_request("hog", prompt(25), 30))
+    while not hog.output_ids:
+        d.step()
+    ids = prompt(30, 3)
+    scored = d.add(make_request("scored", ids, 6, prompt_logprobs=1))
+    for _ in range(20):  # the pool fills while its prompt is computed: it has done least
+        d.step()
+        if scored.num_preemptions:
+            break
+    assert scored.num_preemptions == 1
+    assert 0 < len(scored.prompt_logprobs) < 29  # it had scored part of its prompt
+    d.run()
+    _scored_prompt(d.streams["scored"][0], ids)
+    d.assert_matches_reference("scored")

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from api.tool_calls import Call, ToolStream, detect, forced_grammar, parse
+from api.tool_calls import Call, ToolStream, detect, forced_grammar, parse, tool_prompt
 
 ONE = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TWO = ONE + '\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>'
@@ -147,3 +147,22 @@ def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
     rest, reason = split.finish("stop")
     assert [c.name for c in got.calls + rest.calls] == ["get_weather"]
     assert [c.name for c in split.all.calls] == ["get_weather"] and reason == "tool_calls"
+
+
+@pytest.mark.parametrize(
+    ("fmt", "old_deepseek", "args_style"),
+    [("hermes", False, False), ("deepseek_v3", False, False), ("deepseek_v3", True, False),
+     ("mistral", False, False), ("mistral", False, True), ("llama3_json", False, False)],
+)  # fmt: skip
+def test_the_call_syntax_told_to_a_model_parses(
+    fmt: str, old_deepseek: bool, args_style: bool
+) -> None:
+    """Where a template drops `tools`, the server's system message tells the model its
+    functions and how to call them: that example, filled in, is a call the parser reads."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
+                                               "parameters": {"type": "object"}}}]  # fmt: skip
+    text = tool_prompt(tools, fmt, old_deepseek, args_style)
+    assert "### get_weather" in text and "Weather" in text
+    example = text.split("them):\n", 1)[1].replace("NAME", "get_weather")
+    _, calls = parse(example, fmt)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"arg": "value"})]

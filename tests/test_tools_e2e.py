@@ -16,7 +16,7 @@ import pytest
 from openai import OpenAI
 
 from bench.server_proc import Server, start_server
-from tests.tiny_gguf import write_llama
+from tests.tiny_gguf import vocab, write_llama
 
 pytestmark = pytest.mark.e2e
 
@@ -58,6 +58,13 @@ DEEPSEEK = """\
 {{ m.content }}<｜tool▁output▁end｜>{% endif %}{% endfor %}\
 {% if add_generation_prompt %}<｜Assistant｜>{% endif %}"""
 
+# its markers are tokens of their own, as in DeepSeek's vocabulary
+DS_MARKERS = (
+    "<｜User｜>", "<｜Assistant｜>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
+    "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>",
+    "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>", "<｜end▁of▁sentence｜>",
+)  # fmt: skip
+
 WEATHER: dict[str, Any] = {
     "type": "object",
     "properties": {
@@ -95,13 +102,7 @@ def tooled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    # its markers are tokens of their own, as in DeepSeek's vocabulary
-    markers = (
-        "<｜User｜>", "<｜Assistant｜>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
-        "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>",
-        "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>", "<｜end▁of▁sentence｜>",
-    )  # fmt: skip
-    srv = _serve_template(tmp_path_factory.mktemp("deepseek"), DEEPSEEK, markers)
+    srv = _serve_template(tmp_path_factory.mktemp("deepseek"), DEEPSEEK, DS_MARKERS)
     yield srv
     srv.stop()
 
@@ -221,3 +222,26 @@ def test_deepseek_format_calls_and_conversations(deepseek: Server) -> None:
         plain = c.chat.completions.create(model="tooled", messages=ASK, max_tokens=2)
     assert after.usage and plain.usage
     assert after.usage.prompt_tokens > plain.usage.prompt_tokens + 20  # the call and its output
+
+
+def test_auto_holds_a_call_the_model_starts_to_its_grammar(deepseek: Server) -> None:
+    """`auto`: the model may answer in text or call; once it writes the start of the
+    calls (here made sure of with logit_bias on that one token), the rest is held to the
+    calls' grammar, so what it calls is a listed function with valid arguments — from a
+    random-weight model, whose free text after the start is never a call. Without the
+    bias the same request answers in text, unconstrained."""
+    begin = vocab(DS_MARKERS)[0].index("<｜tool▁calls▁begin｜>")
+    kw: dict[str, Any] = {"model": "tooled", "messages": ASK, "tools": TOOLS, "max_tokens": 300,
+                          "parallel_tool_calls": False}  # fmt: skip
+    with _client(deepseek) as c:
+        for seed in range(3):
+            got = c.chat.completions.create(
+                **kw, temperature=1.0, seed=seed, logit_bias={str(begin): 100}
+            )
+            choice = got.choices[0]
+            assert choice.finish_reason == "tool_calls", choice.message
+            (call,) = choice.message.tool_calls or []
+            name = call.function.name  # type: ignore[union-attr]
+            jsonschema.validate(json.loads(call.function.arguments), _schema(name))  # type: ignore[union-attr]
+        free = c.chat.completions.create(**{**kw, "max_tokens": 8}, temperature=0)
+    assert free.choices[0].message.tool_calls is None and free.choices[0].message.content
