@@ -58,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
         "--plan", type=Path, metavar="FILE",
         help="apply a plan saved by `one-gpu plan --json` instead of planning",
     )  # fmt: skip
+    s.add_argument("--plan-only", action="store_true",
+                   help="print the placement this serve would use and exit (2: it does not "
+                   "fit); `one-gpu run` checks it before binding and serving")  # fmt: skip
     s.add_argument(
         "--expert-sample-rate", type=float, default=DEFAULT_EXPERT_SAMPLE_RATE,
         help="share of steps whose MoE router choices are counted (0 = off, costs nothing)",
@@ -134,6 +137,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds an idle keep-alive connection is kept")  # fmt: skip
     s.add_argument("--log-level", default="info")
 
+    sub.add_parser(
+        "run", add_help=False,
+        help="plan, bind to the GPU's NUMA node and serve on 0.0.0.0:8090 (deploy/run.sh; "
+        "`one-gpu run --help`)",
+    )  # fmt: skip
     pl = sub.add_parser("plan", help="decide which tensors live on the GPU and which in RAM")
     pl.add_argument("model", help="GGUF file")
     _plan_options(pl)
@@ -182,6 +190,11 @@ def _margin(args: argparse.Namespace) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["run"]:  # its own options, the rest are serve's
+        from deploy.run import main as run
+
+        sys.exit(run(argv[1:]))
     args = _parser().parse_args(argv)
     if args.command == "plan":
         sys.exit(_plan(args))
@@ -308,6 +321,9 @@ def _serve(args: argparse.Namespace) -> None:
         sys.exit(2)
     if plan is not None:
         log.info("placement plan:\n%s", format_plan(plan))
+    if args.plan_only:
+        sys.stdout.write((format_plan(plan) if plan else "no GPU: every tensor in RAM") + "\n")
+        sys.exit(0)
     settings = ServerSettings(
         engine=engine,
         served_model_name=args.served_model_name,

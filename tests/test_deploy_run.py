@@ -1,0 +1,201 @@
+"""`one-gpu run`'s NUMA binding and dry run, on a made-up two-socket host: a sysfs tree of
+our own (ONEGPU_SYSFS) and stub `numactl` / `taskset` on PATH that behave as the real ones
+do where they work, and as seccomp makes them behave where they do not (EPERM)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+from bench.server_proc import free_port, start_process
+from deploy.numa import Binding, choose, target
+from tests.tiny_gguf import write_llama
+
+ROOT = Path(__file__).resolve().parents[1]
+# node 0: CPUs 0-3 and their hyperthreads 8-11; node 1: 4-7 and 12-15
+NODE_CPUS = {0: "0-3,8-11", 1: "4-7,12-15"}
+GPUS = {"0000:17:00.0": 0, "0000:ca:00.0": 1}  # bus id -> node, in bus order
+STUB = """#!/usr/bin/env bash
+echo "$(basename "$0") $*" >> "{log}"
+{body}
+"""
+NUMACTL_EPERM = """for a in "$@"; do case $a in --preferred=*)
+  echo "set_mempolicy: Operation not permitted" >&2; exit 1;; esac; done
+exit 0"""
+
+
+def _sysfs(root: Path, gpus: dict[str, int], nodes: dict[int, str]) -> Path:
+    for node, cpus in nodes.items():
+        d = root / f"devices/system/node/node{node}"
+        d.mkdir(parents=True)
+        (d / "cpulist").write_text(cpus + "\n")
+    for c in range(16):
+        t = root / f"devices/system/cpu/cpu{c}/topology"
+        t.mkdir(parents=True)
+        (t / "thread_siblings_list").write_text(f"{c % 8},{c % 8 + 8}\n")
+    driver = root / "bus/pci/drivers/nvidia"
+    driver.mkdir(parents=True)
+    for bus, node in gpus.items():
+        dev = root / "bus/pci/devices" / bus
+        dev.mkdir(parents=True)
+        (dev / "numa_node").write_text(f"{node}\n")
+        (driver / bus).symlink_to(dev)
+    (driver / "module").mkdir()  # what else a driver folder holds: not a device
+    return root
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> Path:
+    return _sysfs(tmp_path / "sys", GPUS, NODE_CPUS)
+
+
+def _stubs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **bodies: str) -> Path:
+    """Stub tools on a PATH of their own (with the basics a bash script needs); each
+    records its command line in the returned log."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "calls.log"
+    for name, body in bodies.items():
+        f = bin_dir / name
+        f.write_text(STUB.format(log=log, body=body))
+        f.chmod(0o755)
+    for tool in ("bash", "basename", "env", "true"):
+        real = Path("/usr/bin", tool) if Path("/usr/bin", tool).exists() else Path("/bin", tool)
+        (bin_dir / tool).symlink_to(real)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    return log
+
+
+def _calls(log: Path) -> list[str]:
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def test_the_strongest_binding_that_runs_is_chosen(
+    host: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = _stubs(tmp_path, monkeypatch, numactl="exit 0", taskset="exit 0")
+    b = choose(target(host))
+    assert b.prefix == ["numactl", "--cpunodebind=0", "--preferred=0"]
+    assert b.threads == 4  # node 0's physical cores (8 CPUs, hyperthreads counted once)
+    assert b.report == (
+        "binding: numactl --cpunodebind=0 --preferred=0 — CPUs and memory on node 0 "
+        "(GPU 0 (0000:17:00.0) on NUMA node 0, 4 physical cores)"
+    )
+    assert _calls(log) == ["numactl --cpunodebind=0 --preferred=0 true"]
+
+
+def test_memory_binding_refused_as_seccomp_does_falls_back_to_cpus_and_says_so(
+    host: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = _stubs(tmp_path, monkeypatch, numactl=NUMACTL_EPERM, taskset="exit 0")
+    b = choose(target(host))
+    assert b.prefix == ["numactl", "--cpunodebind=0"]
+    assert b.report.startswith("binding: numactl --cpunodebind=0 — CPUs on node 0, memory")
+    assert b.report.endswith("refused: numactl --cpunodebind=0 --preferred=0: "
+                             "set_mempolicy: Operation not permitted")  # fmt: skip
+    assert _calls(log) == ["numactl --cpunodebind=0 --preferred=0 true",
+                           "numactl --cpunodebind=0 true"]  # fmt: skip
+
+
+def test_without_numactl_taskset_pins_the_node_s_cpus(
+    host: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = _stubs(tmp_path, monkeypatch, taskset="exit 0")
+    b = choose(target(host, 1))  # the second GPU: node 1
+    assert b.prefix == ["taskset", "-c", "4-7,12-15"]
+    assert "numactl --cpunodebind=1 --preferred=1: numactl is not installed" in b.report
+    assert b.report.startswith("binding: taskset -c 4-7,12-15 — CPUs of node 1 (taskset)")
+    assert _calls(log) == ["taskset -c 4-7,12-15 true"]
+
+
+def test_two_gpus_on_two_nodes_bind_to_the_chosen_one_s(
+    host: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _stubs(tmp_path, monkeypatch, numactl="exit 0")
+    assert choose(target(host, 0)).prefix[1:] == ["--cpunodebind=0", "--preferred=0"]
+    assert choose(target(host, 1)).prefix[1:] == ["--cpunodebind=1", "--preferred=1"]
+    with pytest.raises(ValueError, match="this host has GPUs 0-1"):
+        target(host, 2)
+
+
+def test_no_gpu_one_node_or_nothing_that_runs_serves_unbound_and_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _stubs(tmp_path, monkeypatch, numactl="exit 1", taskset="echo 'taskset: failed' >&2; exit 1")
+    bare = _sysfs(tmp_path / "bare", {}, NODE_CPUS)
+    one = _sysfs(tmp_path / "one", {"0000:17:00.0": 0}, {0: "0-15"})
+    assert choose(target(bare)) == Binding([], "binding: none (no NVIDIA GPU on this host)")
+    assert choose(target(one)).report == (
+        "binding: none (GPU 0 (0000:17:00.0); one NUMA node: nothing to bind to)"
+    )
+    b = choose(target(_sysfs(tmp_path / "two", GPUS, NODE_CPUS)))
+    assert b.prefix == [] and "taskset -c 0-3,8-11: taskset: failed" in b.report
+
+
+def test_dry_run_prints_every_command_and_starts_nothing(
+    host: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = _stubs(tmp_path, monkeypatch, numactl="exit 0", taskset="exit 0")
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {**os.environ, "ONEGPU_SYSFS": str(host), "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-m", "api.cli", "run", "--dry-run", "--gpu", "1", "--model", "m.gguf",
+         "--n-ctx", "8192"],
+        cwd=work, env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    serve = f"{sys.executable} -m api.cli serve"
+    opts = "--host 0.0.0.0 --port 8090 --threads 4 --model m.gguf --n-ctx 8192"
+    assert out.stdout.splitlines() == [
+        "# GPU 1 (0000:ca:00.0) on NUMA node 1, 4 physical cores",
+        "# binding: the first of these no-ops that runs:",
+        "numactl --cpunodebind=1 --preferred=1 true",
+        "numactl --cpunodebind=1 true",
+        "taskset -c 4-7,12-15 true",
+        "# plan, as the server will (a plan that does not fit stops here):",
+        f"{serve} --plan-only {opts}",
+        "# serve (under the binding that held; shown with the first):",
+        f"numactl --cpunodebind=1 --preferred=1 {serve} {opts}",
+    ]
+    assert _calls(log) == []  # no binding was tried, no tool started
+    assert list(work.iterdir()) == []  # nothing written
+
+
+@pytest.mark.e2e
+def test_run_binds_plans_and_serves(
+    host: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole path on this CPU machine: the binding it reports is the one the server
+    runs under (the stub numactl runs the command it is given, as the real one does), the
+    plan is checked first, the server answers."""
+    log = _stubs(tmp_path, monkeypatch, numactl='while [[ $1 == --* ]]; do shift; done\n'
+                 'exec "$@"')  # fmt: skip
+    model = write_llama(tmp_path / "tiny.gguf", seed=1)
+    port = free_port()
+    srv = start_process(
+        [sys.executable, "-m", "api.cli", "run", "--model", str(model), "--served-model-name",
+         "tiny", "--host", "127.0.0.1", "--port", str(port), "--n-ctx", "512",
+         "--repro-slots", "0"],
+        port, tmp_path / "run.log", env={"ONEGPU_SYSFS": str(host)},
+    )  # fmt: skip
+    try:
+        with OpenAI(base_url=srv.base_url, api_key="none", _strict_response_validation=True) as c:
+            got = c.completions.create(model="tiny", prompt="abc", max_tokens=3, temperature=0)
+        assert got.usage and got.usage.completion_tokens == 3
+    finally:
+        srv.stop()
+    out = srv.log()
+    assert "binding: numactl --cpunodebind=0 --preferred=0 — CPUs and memory on node 0" in out
+    assert "no GPU: every tensor in RAM" in out  # the plan, checked before serving
+    assert _calls(log) == [
+        "numactl --cpunodebind=0 --preferred=0 true",
+        f"numactl --cpunodebind=0 --preferred=0 {sys.executable} -m api.cli serve --threads 4 "
+        f"--model {model} --served-model-name tiny --host 127.0.0.1 --port {port} --n-ctx 512 "
+        "--repro-slots 0",
+    ]
