@@ -3,6 +3,7 @@ loads the model, starts the engine loop and drains it on shutdown."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -164,7 +165,11 @@ def _tool_format(parser: str, source: str) -> str | None:
 
 
 async def health(request: Request) -> Response:
-    state = server_state(request)
+    """200 while serving; 503 while the model loads (the server listens first) and while
+    it drains: what a load balancer, Kubernetes or a container HEALTHCHECK needs."""
+    state: ServerState | None = request.app.state.server
+    if state is None:
+        return JSONResponse({"status": "loading"}, status_code=503)
     if not state.loop.is_running or state.draining:
         return JSONResponse({"status": "unavailable"}, status_code=503)
     return JSONResponse({"status": "ok"})
@@ -193,19 +198,37 @@ async def _unexpected(_request: Request, exc: Exception) -> Response:
 def build_app(settings: ServerSettings) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        model, engines, placement = await anyio.to_thread.run_sync(_load, settings)
-        state = _state(settings, model, engines, placement)
-        app.state.server = state
-        state.loop.start()
-        log.info("serving %s (max_model_len=%d)", state.model_name, state.max_model_len)
+        # The model loads after the server listens (a big one takes minutes): until then
+        # /health says "loading" and the API 503s, rather than connections being refused.
+        loaded: list[tuple[Model, list[Engine]]] = []
+
+        async def load() -> None:
+            try:
+                model, engines, placement = await anyio.to_thread.run_sync(_load, settings)
+            except Exception as e:
+                log.error("could not load the model: %s", e)
+                app.state.load_error = e
+                app.state.stop()  # the server stops listening; api.serve exits 1
+                return
+            loaded.append((model, engines))
+            state = _state(settings, model, engines, placement)
+            state.loop.start()
+            app.state.server = state
+            log.info("serving %s (max_model_len=%d)", state.model_name, state.max_model_len)
+
+        loading = asyncio.create_task(load())
         try:
             yield
         finally:
-            state.draining = True
-            await state.loop.stop(drain_s=settings.drain_s)
-            for engine in engines:
-                engine.close()
-            model.close()
+            await loading  # (a load cannot be interrupted: it finishes, then is freed)
+            state: ServerState | None = app.state.server
+            if state is not None:
+                state.draining = True
+                await state.loop.stop(drain_s=settings.drain_s)
+            for model, engines in loaded:
+                for engine in engines:
+                    engine.close()
+                model.close()
 
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -225,6 +248,9 @@ def build_app(settings: ServerSettings) -> Starlette:
             Exception: _unexpected,
         },
     )
+    app.state.server = None  # (until the model has loaded)
+    app.state.load_error = None
+    app.state.stop = lambda: None  # api.serve: ends the HTTP server (a failed load)
     keys = KeySet(settings.api_keys)
     if keys:
         app.add_middleware(BearerAuth, keys=keys, protect_metrics=settings.protect_metrics)

@@ -8,10 +8,14 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from api.tool_calls import FORMATS as TOOL_FORMATS
 from engine.config import DEFAULT_PROMPT_LOGPROB_ROWS, EngineConfig
 from engine.placement import CPU_MOE
+
+if TYPE_CHECKING:
+    from api.state import ServerSettings
 
 log = logging.getLogger("one-gpu")
 # Measured cost on the H200 (docs/benchmarks.md, "Expert telemetry"): 0.4-1.1% of decode
@@ -263,12 +267,19 @@ def _serve(args: argparse.Namespace) -> None:
     # The engine thread must get the GIL back at once when llama_decode returns; by default
     # a busy event loop (streaming to many clients) could hold it for up to 5 ms.
     sys.setswitchinterval(0.0005)
-
     from api.app import build_app
+    from api.serve import serve
+
+    settings = serve_settings(args)
+    serve(build_app(settings), settings, args.host, args.port, args.log_level)
+
+
+def serve_settings(args: argparse.Namespace) -> ServerSettings:
+    """What `serve` runs with: the engine, its plan, the limits (exits 2 on a plan that
+    does not fit; with --plan-only, prints the plan and exits)."""
     from api.auth import load_keys
     from api.lanes import LaneOptions
     from api.limits import ConnectionLimits, RequestLimits
-    from api.serve import serve
     from api.state import ServerSettings
 
     model_path = args.model
@@ -352,7 +363,7 @@ def _serve(args: argparse.Namespace) -> None:
         lanes=lanes,
         plan=plan,
     )
-    serve(build_app(settings), settings, args.host, args.port, args.log_level)
+    return settings
 
 
 if __name__ == "__main__":

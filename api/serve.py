@@ -17,6 +17,7 @@ import contextlib
 import logging
 import resource
 import socket
+import sys
 from types import FrameType
 
 import uvicorn
@@ -106,5 +107,9 @@ def serve(app: Starlette, settings: ServerSettings, host: str, port: int, log_le
         timeout_keep_alive=int(max(1, conns.keep_alive_s)),
         timeout_graceful_shutdown=FLUSH_S,
     )
+    server = DrainingServer(config, app, settings.drain_s)
+    app.state.stop = lambda: setattr(server, "should_exit", True)
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the SIGINT it drained for
-        DrainingServer(config, app, settings.drain_s).run()
+        server.run()
+    if app.state.load_error is not None:  # it listened, the model did not load: a failure
+        sys.exit(1)

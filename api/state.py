@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import anyio
 from starlette.requests import Request
 
+from api.errors import ServiceUnavailable
 from api.lanes import LaneOptions
 from api.limits import ConnectionLimits, RequestLimits
 from api.metrics import Metrics
@@ -71,5 +72,8 @@ class ServerState:
 
 
 def server_state(request: Request) -> ServerState:
-    state: ServerState = request.app.state.server
+    """The serving state; a 503 while the model is still loading."""
+    state: ServerState | None = request.app.state.server
+    if state is None:
+        raise ServiceUnavailable("the model is loading; try again shortly")
     return state

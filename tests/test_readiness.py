@@ -1,0 +1,70 @@
+"""Readiness: the server listens before the model has loaded, and says so — /health 503
+`loading` and the API a 503 error body until it serves, then 200 — so a load balancer, a
+container HEALTHCHECK or Kubernetes can tell a loading server from a dead one. In process
+(the app as `one-gpu serve` builds it), with the load held at a gate: the real load, only
+later."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from starlette.testclient import TestClient
+
+import api.app
+from api.cli import _parser, serve_settings
+from bench.server_proc import free_port
+from tests.tiny_gguf import write_llama
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_health_says_loading_until_the_model_serves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = write_llama(tmp_path / "tiny.gguf", seed=2)
+    args = _parser().parse_args(["serve", "--model", str(model), "--served-model-name", "tiny",
+                                 "--n-ctx", "512", "--repro-slots", "0"])  # fmt: skip
+    settings = serve_settings(args)
+    gate = threading.Event()
+    real_load = api.app._load
+
+    def held_load(s: api.app.ServerSettings) -> object:
+        assert gate.wait(60), "the test never opened the gate"
+        return real_load(s)
+
+    monkeypatch.setattr(api.app, "_load", held_load)
+    with TestClient(api.app.build_app(settings)) as client:  # lifespan started: listening
+        health = client.get("/health")
+        assert (health.status_code, health.json()) == (503, {"status": "loading"})
+        early = client.post("/v1/completions", json={"model": "tiny", "prompt": "a"})
+        assert early.status_code == 503
+        assert "loading" in early.json()["error"]["message"]
+        gate.set()
+        deadline = time.monotonic() + 60
+        while client.get("/health").status_code != 200:  # the load finishing, bounded
+            assert time.monotonic() < deadline, "the model never came up"
+            time.sleep(0.05)
+        done = client.post(
+            "/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 2}
+        )
+        assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 2
+
+
+def test_a_model_that_does_not_load_ends_the_server_with_an_error(tmp_path: Path) -> None:
+    """Listening first must not turn a failed load into a server that answers 503 forever:
+    it stops, exits 1 and says why."""
+    good = write_llama(tmp_path / "tiny.gguf", seed=2).read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(good[: len(good) // 2])  # a valid header, tensors missing
+    out = subprocess.run(
+        [sys.executable, "-m", "api.cli", "serve", "--model", str(cut), "--port",
+         str(free_port()), "--repro-slots", "0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert out.returncode == 1
+    assert f"could not load the model: llama.cpp could not load {cut}" in out.stderr
