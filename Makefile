@@ -34,16 +34,21 @@ STAMP := $(VENV)/.installed-$(GPU)
 TAP := engine/native/libexpert_tap.so
 STEP := engine/native/libdecode_sample.so
 NATIVE := $(TAP) $(STEP)
+# The CPU the native step is built for; an image for other machines names one
+# (deploy/Dockerfile: x86-64-v3).
+MARCH ?= native
 
-.PHONY: install serve test check bench bench-stall bench-repro bench-kv bench-multiturn fuzz soak model clean
+.PHONY: install native prometheus serve test check bench bench-stall bench-repro bench-kv bench-multiturn fuzz soak model clean
 
 install: $(STAMP) $(NATIVE)
+
+native: $(NATIVE)
 
 $(TAP): engine/native/expert_tap.c
 	$(CC) -O2 -Wall -Wextra -shared -fPIC -o $@ $<
 
 $(STEP): engine/native/decode_sample.c
-	$(CC) -O3 -march=native -fno-trapping-math -Wall -Wextra -shared -fPIC -pthread -o $@ $< -lm
+	$(CC) -O3 -march=$(MARCH) -fno-trapping-math -Wall -Wextra -shared -fPIC -pthread -o $@ $< -lm
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -60,8 +65,17 @@ model: $(STAMP)
 serve: $(STAMP) $(NATIVE) model
 	$(VENV)/bin/one-gpu serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
-test: $(STAMP) $(NATIVE)
+test: $(STAMP) $(NATIVE) prometheus
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Debian's prometheus (and promtool) for the monitoring tests (tests/test_monitoring.py);
+# where it cannot be installed (not root, no apt) those tests are skipped and say why.
+prometheus:
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null || { \
+	  echo "installing Debian's prometheus for the monitoring tests"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    --no-install-recommends prometheus) >/dev/null 2>&1 \
+	  || echo "WARNING: prometheus could not be installed: the monitoring tests are skipped"; }
 
 check: $(STAMP)
 	$(VENV)/bin/ruff format --check .

@@ -27,6 +27,8 @@ from api.errors import (
 )
 from api.experts import ExpertTelemetry
 from api.experts import experts as experts_route
+from api.http_status import StatusCounter
+from api.http_status import count as count_status
 from api.lanes import FAST, REPRODUCIBLE, fingerprints
 from api.metrics import CONTENT_TYPE, Metrics
 from api.openai_routes import chat_completions, completions, list_models
@@ -190,8 +192,9 @@ async def _http_error(_request: Request, exc: Exception) -> Response:
     return error_response(APIError(str(exc.detail)))
 
 
-async def _unexpected(_request: Request, exc: Exception) -> Response:
+async def _unexpected(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error", exc_info=exc)
+    count_status(request.scope, 500)  # (Starlette answers this outside every middleware)
     return error_response(APIError("internal server error"))
 
 
@@ -254,4 +257,5 @@ def build_app(settings: ServerSettings) -> Starlette:
     keys = KeySet(settings.api_keys)
     if keys:
         app.add_middleware(BearerAuth, keys=keys, protect_metrics=settings.protect_metrics)
+    app.add_middleware(StatusCounter)  # outermost: refused keys are counted too
     return app

@@ -40,6 +40,10 @@ class Metrics:
             "KV cells the running requests will still take (rest of their prompts, expected "
             "growth): what admission keeps free for them",
         )
+        self.http_responses = Counter(
+            "onegpu_http_responses", "HTTP responses by route and status code",
+            ["route", "code"], registry=r,
+        )  # fmt: skip
         self.lane_requests = lane_counter(
             "onegpu_lane_requests", "Requests accepted, by numerics lane"
         )

@@ -69,8 +69,9 @@ def start_process(
     log_path: Path,
     ready_timeout_s: float = 300.0,
     env: dict[str, str] | None = None,
+    ready_path: str = "/health",
 ) -> Server:
-    """Start `cmd` (listening on `port`) and wait until /health answers 200."""
+    """Start `cmd` (listening on `port`) and wait until `ready_path` answers 200."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with log_path.open("wb") as logf:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT, env=env)
@@ -80,7 +81,7 @@ def start_process(
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
         try:
-            if httpx.get(server.url + "/health", timeout=1.0).status_code == 200:
+            if httpx.get(server.url + ready_path, timeout=1.0).status_code == 200:
                 return server
         except httpx.TransportError:
             pass

@@ -1,6 +1,7 @@
 """`one-gpu run` (`deploy/run.sh`): the operator's path from a GPU box to a served endpoint.
 
-Plans the placement exactly as the server will (`serve --plan-only`, the same options)
+Fetches the model when it is named on the hub (`--hf-repo`, `--hf-file`; deploy.download),
+plans the placement exactly as the server will (`serve --plan-only`, the same options)
 and refuses to start on a plan that does not fit; binds the server to the GPU's NUMA node
 (deploy.numa: the strongest binding the host allows, and which one it got); serves on
 0.0.0.0:8090 with decode threads on that node's physical cores. Every option it does not
@@ -16,7 +17,9 @@ import shlex
 import subprocess
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
+from deploy.download import DownloadError, Source, endpoint, fetch
 from deploy.numa import Target, candidates, choose, sysfs, target
 
 SERVE = [sys.executable, "-m", "api.cli", "serve"]
@@ -29,7 +32,25 @@ def parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("--gpu", type=int, help="the GPU to bind to, by nvidia-smi index (default 0)")
+    p.add_argument("--hf-repo", help="fetch the model from this hub repository (HF_ENDPOINT)")
+    p.add_argument("--hf-file", help="the GGUF in it (a split model: any part; all come)")
+    p.add_argument("--hf-revision", help="branch, tag or commit (default: main)")
+    p.add_argument(
+        "--hf-cache", type=Path,
+        help="where models are kept (default: HF_HUB_CACHE, ~/.cache/huggingface/hub)",
+    )  # fmt: skip
     return p
+
+
+def source(args: argparse.Namespace, rest: Sequence[str]) -> Source | None:
+    """The hub model to fetch, if one is named (`ValueError` for a half-named one)."""
+    if not args.hf_repo and not args.hf_file:
+        return None
+    if not (args.hf_repo and args.hf_file):
+        raise ValueError("--hf-repo and --hf-file go together")
+    if any(a == "--model" or a.startswith("--model=") for a in rest):
+        raise ValueError("--model or --hf-repo/--hf-file, not both")
+    return Source(args.hf_repo, args.hf_file, args.hf_revision, args.hf_cache)
 
 
 def serve_options(rest: Sequence[str], threads: int | None) -> list[str]:
@@ -46,15 +67,22 @@ def serve_options(rest: Sequence[str], threads: int | None) -> list[str]:
     return [*out, *rest]
 
 
-def dry_run(t: Target | str, rest: Sequence[str]) -> list[str]:
+def dry_run(t: Target | str, rest: Sequence[str], src: Source | None = None) -> list[str]:
     """The lines `--dry-run` prints: what would run, in order, nothing started."""
+    lines = []
+    if src is not None:
+        parts = src.parts
+        lines += [f"# fetch into {src.where()} what is not there (sized against the free "
+                  "disk first, resumed if broken, SHA-256 checked):"]  # fmt: skip
+        lines += [f"{endpoint()}/{src.repo}/resolve/{src.revision or 'main'}/{p}" for p in parts]
+        rest = ["--model", f"<{parts[0]} in the cache>", *rest]
     if isinstance(t, str):
-        lines = [f"# binding: none ({t})"]
+        lines += [f"# binding: none ({t})"]
         prefix: list[str] = []
         threads = None
     else:
         tries = candidates(t.node, t.cpus)
-        lines = [f"# {t.where}", "# binding: the first of these no-ops that runs:"]
+        lines += [f"# {t.where}", "# binding: the first of these no-ops that runs:"]
         lines += [shlex.join([*p, "true"]) for p, _ in tries]
         prefix, threads = tries[0][0], t.cores
     opts = serve_options(rest, threads)
@@ -69,12 +97,19 @@ def main(argv: Sequence[str]) -> int:
     args, rest = parser().parse_known_args(argv)
     try:
         t = target(sysfs(), args.gpu)
+        src = source(args, rest)
     except ValueError as e:
         sys.stderr.write(f"one-gpu run: {e}\n")
         return 2
     if args.dry_run:
-        sys.stdout.write("\n".join(dry_run(t, rest)) + "\n")
+        sys.stdout.write("\n".join(dry_run(t, rest, src)) + "\n")
         return 0
+    if src is not None:
+        try:
+            rest = ["--model", str(fetch(src)), *rest]
+        except DownloadError as e:
+            sys.stderr.write(f"one-gpu run: {e}\n")
+            return 2
     binding = choose(t)
     sys.stdout.write(binding.report + "\n")
     opts = serve_options(rest, binding.threads)
