@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -15,10 +16,12 @@ import openai
 import pytest
 from openai import OpenAI
 
+from bench.peers import llama_cpp_source
 from bench.server_proc import Server, start_server
 from tests.tiny_gguf import vocab, write_llama
 
 pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[1]
 
 HERMES = """\
 {%- if tools %}<|im_start|>system
@@ -245,3 +248,46 @@ def test_auto_holds_a_call_the_model_starts_to_its_grammar(deepseek: Server) -> 
             jsonschema.validate(json.loads(call.function.arguments), _schema(name))  # type: ignore[union-attr]
         free = c.chat.completions.create(**{**kw, "max_tokens": 8}, temperature=0)
     assert free.choices[0].message.tool_calls is None and free.choices[0].message.content
+
+
+@pytest.fixture(scope="module")
+def v31(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """DeepSeek V3.1's own template (as llama.cpp ships it): it writes calls in its format
+    but never the request's `tools`. Started with prompt logprobs off."""
+    source = llama_cpp_source(ROOT / ".bench") / "models/templates/deepseek-ai-DeepSeek-V3.1.jinja"
+    where = tmp_path_factory.mktemp("v31")
+    model = write_llama(where / "v31.gguf", seed=4, chat_template=source.read_text("utf-8"),
+                        user_tokens=DS_MARKERS)  # fmt: skip
+    srv = start_server(
+        ["--model", str(model), "--served-model-name", "tooled", "--n-ctx", "4096",
+         "--prompt-logprob-rows", "0"],
+        where / "server.log",
+    )  # fmt: skip
+    yield srv
+    srv.stop()
+
+
+def test_a_template_that_drops_tools_gets_them_from_the_server(v31: Server) -> None:
+    """The model is told its functions (name, description, parameters) and the call syntax
+    in the system message, since its template would not; a forced call comes back valid."""
+    tools: Any = [{**TOOLS[0], "function": {**TOOLS[0]["function"],
+                                           "description": "The weather in a city"}}]  # fmt: skip
+    with _client(v31) as c:
+        bare = c.chat.completions.create(model="tooled", messages=ASK, max_tokens=1)
+        told = c.chat.completions.create(model="tooled", messages=ASK, tools=tools, max_tokens=1)
+        named = c.chat.completions.create(
+            model="tooled", messages=ASK, tools=tools, max_tokens=300, temperature=0,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        )  # fmt: skip
+    assert bare.usage and told.usage
+    # name, description, the schema and the syntax: well over a hundred tokens of this vocabulary
+    assert told.usage.prompt_tokens > bare.usage.prompt_tokens + 100
+    (call,) = named.choices[0].message.tool_calls or []
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)  # type: ignore[union-attr]
+
+
+def test_prompt_logprobs_off_is_a_400_naming_echo(v31: Server) -> None:
+    with _client(v31) as c, pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="tooled", prompt="abc", echo=True, logprobs=1, max_tokens=1)
+    assert e.value.body["param"] == "echo"  # type: ignore[index]
+    assert "--prompt-logprob-rows 0" in e.value.body["message"]  # type: ignore[index]
