@@ -14,7 +14,7 @@ from openai import OpenAI
 
 from bench.server_proc import free_port, start_process
 from deploy.numa import Binding, choose, target
-from tests.tiny_gguf import write_llama
+from tests.tiny_gguf import write_llama, write_qwen3moe
 
 ROOT = Path(__file__).resolve().parents[1]
 # node 0: CPUs 0-3 and their hyperthreads 8-11; node 1: 4-7 and 12-15
@@ -199,3 +199,22 @@ def test_run_binds_plans_and_serves(
         f"--model {model} --served-model-name tiny --host 127.0.0.1 --port {port} --n-ctx 512 "
         "--repro-slots 0",
     ]
+
+
+def test_run_stops_on_a_plan_that_does_not_fit_before_binding_or_serving(
+    host: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plan is checked first (as the server would make it, its numbers shown); one that
+    does not fit ends the run with exit 2 and no server."""
+    log = _stubs(tmp_path, monkeypatch, numactl="exit 0")
+    model = write_qwen3moe(tmp_path / "moe.gguf", seed=5)
+    env = {**os.environ, "ONEGPU_SYSFS": str(host), "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-m", "api.cli", "run", "--model", str(model), "--n-ctx", "1024",
+         "--repro-slots", "0", "--vram-budget", "64MiB", "--port", str(free_port())],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert "not serving: VRAM: needs" in out.stderr
+    assert "one-gpu run: the plan does not fit (above); not serving" in out.stderr
+    assert _calls(log) == ["numactl --cpunodebind=0 --preferred=0 true"]  # bound, never served
