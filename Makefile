@@ -21,13 +21,15 @@ LLAMA_CPP_VERSION := 0.3.36
 GPU ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 ifeq ($(GPU),cuda)
   LLAMA_CMAKE_ARGS := -DGGML_CUDA=on
-  # A CPU wheel of the same version may sit in pip's cache: never reuse it for a CUDA build.
-  LLAMA_PIP_FLAGS := --no-cache-dir --force-reinstall --no-deps
 else
   LLAMA_CMAKE_ARGS :=
-  LLAMA_PIP_FLAGS :=
 endif
 STAMP := $(VENV)/.installed-$(GPU)
+LLAMA_STAMP := $(VENV)/.llama-$(GPU)
+LLAMA_BUILD := .build
+LLAMA_SDIST := $(LLAMA_BUILD)/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz
+LLAMA_SRC := $(LLAMA_BUILD)/llama_cpp_python-$(LLAMA_CPP_VERSION)
+PATCHES := $(sort $(wildcard engine/llama_patches/*.patch))
 # Native parts, no link dependency: the expert-telemetry callback (engine/expert_tap.py says
 # why it is C) and the step's decode-and-sample call (engine/native/decode_sample.c). Built on
 # the machine that runs them, for its CPU.
@@ -50,11 +52,23 @@ $(TAP): engine/native/expert_tap.c
 $(STEP): engine/native/decode_sample.c
 	$(CC) -O3 -march=$(MARCH) -fno-trapping-math -Wall -Wextra -shared -fPIC -pthread -o $@ $< -lm
 
-$(STAMP): pyproject.toml
+# llama-cpp-python from its PyPI source with our patches to the llama.cpp it vendors
+# (engine/llama_patches/, applied in name order), built for this machine: rebuilt when a
+# patch changes.
+$(LLAMA_STAMP): $(PATCHES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	test -f $(LLAMA_SDIST) || $(PY) -m pip download -q --no-deps --no-binary :all: \
+	  llama-cpp-python==$(LLAMA_CPP_VERSION) -d $(LLAMA_BUILD)
+	rm -rf $(LLAMA_SRC) && tar xzf $(LLAMA_SDIST) -C $(LLAMA_BUILD)
+	for p in $(PATCHES); do patch -p1 -s -d $(LLAMA_SRC)/vendor/llama.cpp < $$p || exit 1; done
 	@echo "building llama-cpp-python $(LLAMA_CPP_VERSION) ($(GPU)); the first build takes ~9 minutes on 2 cores"
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install -q $(LLAMA_PIP_FLAGS) llama-cpp-python==$(LLAMA_CPP_VERSION)
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install -q --no-cache-dir --force-reinstall \
+	  --no-deps ./$(LLAMA_SRC)
+	rm -f $(VENV)/.llama-*
+	touch $@
+
+$(STAMP): pyproject.toml $(LLAMA_STAMP)
 	$(PY) -m pip install -q -e '.[dev]'
 	rm -f $(VENV)/.installed-*
 	touch $@
@@ -104,4 +118,4 @@ soak: $(STAMP) $(NATIVE) model
 	$(PY) -m bench.soak $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) $(NATIVE) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(NATIVE) $(LLAMA_BUILD) .mypy_cache .ruff_cache .pytest_cache

@@ -10,6 +10,7 @@ mkdir -p "$W"
 tar xzf .gpu/llama-cpp-python-src.tgz -C "$W"
 SRC="$W/llama_cpp_python-0.3.36"
 L="$SRC/vendor/llama.cpp"
+for p in engine/llama_patches/*.patch; do patch -p1 -s -d "$L" < "$p"; done  # as make does
 cc -O2 -Wall -shared -fPIC -o engine/native/libexpert_tap.so engine/native/expert_tap.c
 cc -O3 -march=native -fno-trapping-math -Wall -shared -fPIC -pthread \
   -o engine/native/libdecode_sample.so engine/native/decode_sample.c -lm
