@@ -208,14 +208,14 @@ def build_app(settings: ServerSettings) -> Starlette:
         async def load() -> None:
             try:
                 model, engines, placement = await anyio.to_thread.run_sync(_load, settings)
+                loaded.append((model, engines))
+                state = _state(settings, model, engines, placement)
+                state.loop.start()
             except Exception as e:
                 log.error("could not load the model: %s", e)
                 app.state.load_error = e
                 app.state.stop()  # the server stops listening; api.serve exits 1
                 return
-            loaded.append((model, engines))
-            state = _state(settings, model, engines, placement)
-            state.loop.start()
             app.state.server = state
             log.info("serving %s (max_model_len=%d)", state.model_name, state.max_model_len)
 

@@ -243,7 +243,13 @@ async def chat_completions(request: Request) -> Response:
                 param="tool_choice",
             )
         if tools.grammar is not None and grammar is None:  # (auto beside a format: the format)
-            grammar, trigger = await tool_grammar(state, tools.grammar), tools.trigger
+            try:
+                grammar, trigger = await tool_grammar(state, tools.grammar), tools.trigger
+            except InvalidRequest:
+                if tools.trigger is None:
+                    raise
+                # auto with a schema the grammar engine cannot take: parsed, not held
+                grammar = None
         template = chat_rendering(state, req, messages, tools.render)
         prompt = await chat_prompt(state, messages, context_limit(state, lane), template)
         ids = prompt.ids

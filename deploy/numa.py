@@ -47,12 +47,24 @@ def sysfs() -> Path:
 
 
 def gpus(root: Path) -> list[Gpu]:
+    """The GPUs: devices the driver holds whose PCI class is a display controller (an HGX
+    board's NVSwitches are the driver's too, as bridges)."""
     driver = root / "bus/pci/drivers/nvidia"
     if not driver.is_dir():
         return []
-    found = sorted(p.name for p in driver.iterdir() if BUS_ID.match(p.name))
+    devices = root / "bus/pci/devices"
+    found = sorted(
+        p.name for p in driver.iterdir() if BUS_ID.match(p.name) and _is_gpu(devices / p.name)
+    )
     return [Gpu(i, bus, _node(root / "bus/pci/devices" / bus / "numa_node"))
             for i, bus in enumerate(found)]  # fmt: skip
+
+
+def _is_gpu(dev: Path) -> bool:
+    try:
+        return int((dev / "class").read_text().strip(), 16) >> 16 == 0x03
+    except (OSError, ValueError):
+        return True  # no class to read: trust the driver
 
 
 def _node(path: Path) -> int | None:

@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from engine.context import Context
-from engine.errors import InvalidBatch, raise_for_decode
+from engine.errors import InvalidBatch, KVCacheFull, raise_for_decode
 from engine.kv_swap import SwapStore
 from engine.model import Model
 from engine.native_step import NativeStep
@@ -141,10 +141,23 @@ class Engine:
 
     def _run(self, chunks: list[SeqChunk], t_start: float) -> StepResult:
         scored: dict[int, list[Sampled]] = {}
-        if any(c.targets for c in chunks):
-            chunks = [self._score(c, scored) for c in chunks]
-            chunks = [c for c in chunks if c.tokens]
-        result = self._run_chunks(chunks, t_start)
+        if not any(c.targets for c in chunks):
+            return self._run_chunks(chunks, t_start)
+        done: list[SeqChunk] = []  # chunks whose scoring call went into the KV
+        try:
+            rest = []
+            for c in chunks:
+                rest.append(self._score(c, scored))
+                done.append(c)
+            result = self._run_chunks([c for c in rest if c.tokens], t_start)
+        except KVCacheFull:
+            # the scheduler retries the step as it was: the scored positions go again
+            for c in done:
+                if c.targets:
+                    self.ll.llama_memory_seq_rm(
+                        self.context.memory, self._llama_id.get(c.seq_id, c.seq_id), c.pos0, -1
+                    )
+            raise
         result.prompt_logprobs = scored
         return result
 

@@ -793,10 +793,11 @@ class Scheduler:
         self.swap_cost.observe(result.swap_out_bytes, result.swap_out_s)
         self.swap_cost.observe(result.swap_in_bytes, result.swap_in_s)
         engine_s = result.fill_s + result.decode_s + result.sample_s
-        self.cost.observe(
-            out.num_decode, out.prompt_chunks, engine_s, planned=out.bounded,
-            decode_depth=out.decode_depth,
-        )  # fmt: skip
+        if not result.prompt_logprobs:  # (a scored prompt's extra call is not prompt cost)
+            self.cost.observe(
+                out.num_decode, out.prompt_chunks, engine_s, planned=out.bounded,
+                decode_depth=out.decode_depth,
+            )  # fmt: skip
         stats = StepStats(
             num_step_tokens=out.batch.num_tokens,
             num_step_prompt_tokens=sum(n for n, _ in out.prompt_chunks),

@@ -44,8 +44,14 @@ def _sysfs(root: Path, gpus: dict[str, int], nodes: dict[int, str]) -> Path:
         dev = root / "bus/pci/devices" / bus
         dev.mkdir(parents=True)
         (dev / "numa_node").write_text(f"{node}\n")
+        (dev / "class").write_text("0x030200\n")  # 3D controller
         (driver / bus).symlink_to(dev)
     (driver / "module").mkdir()  # what else a driver folder holds: not a device
+    switch = root / "bus/pci/devices/0000:05:00.0"  # an NVSwitch: the driver's, not a GPU
+    switch.mkdir(parents=True)
+    (switch / "class").write_text("0x068000\n")
+    (switch / "numa_node").write_text("0\n")
+    (driver / switch.name).symlink_to(switch)
     return root
 
 

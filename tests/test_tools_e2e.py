@@ -291,3 +291,18 @@ def test_prompt_logprobs_off_is_a_400_naming_echo(v31: Server) -> None:
         c.completions.create(model="tooled", prompt="abc", echo=True, logprobs=1, max_tokens=1)
     assert e.value.body["param"] == "echo"  # type: ignore[index]
     assert "--prompt-logprob-rows 0" in e.value.body["message"]  # type: ignore[index]
+
+
+def test_auto_with_a_schema_the_grammar_cannot_hold_is_still_served(deepseek: Server) -> None:
+    """`auto` holds a started call to the grammar where it can; a function whose schema the
+    grammar engine refuses leaves the answer parsed only (a forced call there is a 400)."""
+    odd: Any = [{"type": "function", "function": {"name": "odd", "parameters": {
+        "type": "object", "properties": {"x": {"$ref": "#/definitions/missing"}}}}}]  # fmt: skip
+    with _client(deepseek) as c:
+        got = c.chat.completions.create(model="tooled", messages=ASK, tools=odd, max_tokens=4)
+        assert got.choices[0].finish_reason in ("length", "stop", "tool_calls")
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(
+                model="tooled", messages=ASK, tools=odd, tool_choice="required", max_tokens=4
+            )
+    assert e.value.body["param"] == "tools"  # type: ignore[index]
