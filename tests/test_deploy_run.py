@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from bench.server_proc import free_port, start_process
+from bench.server_proc import Server, free_port, start_process
 from deploy.numa import Binding, choose, target
 from tests.tiny_gguf import write_llama, write_qwen3moe
 
@@ -173,6 +173,18 @@ def test_dry_run_prints_every_command_and_starts_nothing(
     assert list(work.iterdir()) == []  # nothing written
 
 
+def answers_then_stops(srv: Server, max_tokens: int) -> None:
+    """A server `one-gpu run` started answers a completion (model "tiny"); then it stops."""
+    try:
+        with OpenAI(base_url=srv.base_url, api_key="none", _strict_response_validation=True) as c:
+            got = c.completions.create(
+                model="tiny", prompt="abc", max_tokens=max_tokens, temperature=0
+            )
+        assert got.usage and got.usage.completion_tokens == max_tokens
+    finally:
+        srv.stop()
+
+
 @pytest.mark.e2e
 def test_run_binds_plans_and_serves(
     host: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -190,12 +202,7 @@ def test_run_binds_plans_and_serves(
          "--repro-slots", "0"],
         port, tmp_path / "run.log", env={"ONEGPU_SYSFS": str(host)},
     )  # fmt: skip
-    try:
-        with OpenAI(base_url=srv.base_url, api_key="none", _strict_response_validation=True) as c:
-            got = c.completions.create(model="tiny", prompt="abc", max_tokens=3, temperature=0)
-        assert got.usage and got.usage.completion_tokens == 3
-    finally:
-        srv.stop()
+    answers_then_stops(srv, 3)
     out = srv.log()
     assert "binding: numactl --cpunodebind=0 --preferred=0 — CPUs and memory on node 0" in out
     assert "no GPU: every tensor in RAM" in out  # the plan, checked before serving
