@@ -25,7 +25,6 @@ from api.errors import (
     error_response,
     handle_api_error,
 )
-from api.experts import ExpertTelemetry
 from api.experts import experts as experts_route
 from api.http_status import StatusCounter
 from api.http_status import count as count_status
@@ -39,13 +38,13 @@ from api.state import ServerSettings, ServerState, server_state
 from api.tool_calls import detect as detect_tool_format
 from api.tool_calls import renders_tools
 from engine.chat_template import ChatTemplate
+from engine.expert_telemetry import ExpertTelemetry
 from engine.model import Model
 from engine.runner import Engine
 from scheduler.core import Scheduler, SchedulerConfig
 from scheduler.loop import EngineLoop
 
 log = logging.getLogger(__name__)
-CPU_ATTENTION_TILE = 64  # query rows per tile of ggml's CPU flash attention (GGML_FA_TILE_Q)
 
 
 def _load(settings: ServerSettings) -> tuple[Model, list[Engine], Placement]:
@@ -80,11 +79,7 @@ def _state(
     if settings.max_model_len:
         max_len = min(max_len, settings.max_model_len)
     budget = min(settings.max_num_batched_tokens or model.n_batch, model.n_batch)
-    ubatch = min(settings.engine.n_ubatch, model.n_batch)  # what llama.cpp runs
-    tile = CPU_ATTENTION_TILE if model.attention_on_cpu else 0
-    if tile and ubatch % tile:
-        log.warning("--n-ubatch %d is not a multiple of %d: steps not sized by tile", ubatch, tile)
-        tile = 0
+    ubatch, tile = model.step_geometry()
     # Each cell of a swapped sequence: all layers' K and V (an f16 upper bound: sliding-
     # window layers keep fewer), plus llama.cpp's per-cell position and sequence record.
     cell_bytes = placement.kv_bytes_per_token + 12
@@ -97,6 +92,7 @@ def _state(
             swap_cells=settings.swap_space // cell_bytes,
             kv_bytes_per_cell=cell_bytes,
             max_stall_s=None if settings.max_stall_ms is None else settings.max_stall_ms / 1000,
+            stall_auto=settings.stall_auto,
             min_prefill_chunk=settings.min_prefill_chunk,
             ubatch=ubatch,
             attention_tile=tile,

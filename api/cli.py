@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from api.tool_calls import FORMATS as TOOL_FORMATS
 from engine.config import DEFAULT_PROMPT_LOGPROB_ROWS, EngineConfig
+from engine.model import KV_PAD_CELLS
 from engine.placement import CPU_MOE
 
 if TYPE_CHECKING:
@@ -39,8 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-batched-tokens", type=int, help="per-step token budget (<= n-batch)")
     s.add_argument("--max-model-len", type=int, help="per-request context limit")
     s.add_argument(
-        "--max-stall-ms", type=float, default=250.0,
-        help="while others decode, size prompt chunks so a step stays under this (0 = off)",
+        "--max-stall-ms", type=float, default=None,
+        help="while others decode, size prompt chunks so a step stays under this (0 = off; "
+        "default: 250, longer where this machine needs larger chunks to prefill efficiently)",
     )  # fmt: skip
     s.add_argument("--min-prefill-chunk", type=int, default=32,
                    help="prompt tokens a step grants at least (prefill progresses)")  # fmt: skip
@@ -245,7 +247,7 @@ def _experts(args: argparse.Namespace) -> int:
     import json
     import urllib.error
 
-    from api.experts import fetch_report, format_report, report_json
+    from api.experts_client import fetch_report, format_report, report_json
 
     try:
         r = fetch_report(args.url, args.top)
@@ -308,7 +310,7 @@ def serve_settings(args: argparse.Namespace) -> ServerSettings:
     lanes = LaneOptions(
         cpu_numerics=args.cpu_numerics,
         slots=args.repro_slots,
-        ctx=-(-args.repro_ctx // 256) * 256,  # llama.cpp pads each stream to 256 cells
+        ctx=-(-args.repro_ctx // KV_PAD_CELLS) * KV_PAD_CELLS,
         chunk=args.repro_chunk,
     )
     from api.planning import PlanRefused, PlanRequest, plan_for_serve
@@ -345,7 +347,8 @@ def serve_settings(args: argparse.Namespace) -> ServerSettings:
         swap_space=args.swap_space,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
-        max_stall_ms=args.max_stall_ms or None,
+        max_stall_ms=250.0 if args.max_stall_ms is None else (args.max_stall_ms or None),
+        stall_auto=args.max_stall_ms is None,
         min_prefill_chunk=args.min_prefill_chunk,
         api_keys=load_keys(args.api_key, args.api_key_file),
         protect_metrics=args.protect_metrics,

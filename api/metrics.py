@@ -146,22 +146,22 @@ class Metrics:
         )  # fmt: skip
         self.cost_model = Gauge(
             "onegpu_cost_model_seconds",
-            "The scheduler's learned step-time model: decode_base_s + decode_per_token_s * D, "
-            "per prompt token prompt_token_s + prompt_token_per_kv_cell_s * KV depth, and "
-            "per chunk prompt_chunk_s + prompt_chunk_per_kv_cell_s * the KV span it attends "
-            "over",
+            "The scheduler's learned step-time model: decode_step_s + decode_token_s * D + "
+            "decode_kv_cell_s * the KV cells decoders attend; per prompt token prompt_token_s "
+            "+ prompt_token_per_kv_cell_s * KV depth; per chunk prompt_chunk_per_kv_cell_s * "
+            "the KV span it attends over; per physical batch carrying a prompt prompt_batch_s",
             ["term"], registry=r,
         )  # fmt: skip
         self.cost_bias = Gauge(
             "onegpu_cost_model_bias",
-            "Measured / modelled time of recent steps the budget planned; chunks are sized "
-            "for --max-stall-ms divided by it",
+            "The stall policy's correction: measured / modelled time of recent steps it "
+            "planned; chunks are sized for --max-stall-ms divided by it",
             registry=r,
         )
         self.cost_headroom = Gauge(
             "onegpu_cost_model_headroom",
-            "The share of --max-stall-ms a step is planned to: 0.85 at most, less on a "
-            "machine whose steps land far from their plan",
+            "The share of --max-stall-ms a step is planned to beyond the correction: room "
+            "for the 99.5th percentile of how far recent steps landed from their plan",
             registry=r,
         )
         self.step_seqs = Histogram(
@@ -304,12 +304,13 @@ class Metrics:
     def _observe_shared_step(self, s: StepStats) -> None:
         if s.num_step_prompt_tokens:
             self.step_prompt_tokens.observe(s.num_step_prompt_tokens)
-        for term, v in s.cost_model.items():
-            self.cost_model.labels(term=term).set(v)
-        if s.cost_bias is not None:
-            self.cost_bias.set(s.cost_bias)
-        if s.cost_headroom is not None:
-            self.cost_headroom.set(s.cost_headroom)
+        for term, v in s.chunk_policy.items():
+            if term == "correction":
+                self.cost_bias.set(v)
+            elif term == "headroom":
+                self.cost_headroom.set(v)
+            else:
+                self.cost_model.labels(term=term).set(v)
         self.step_tokens.observe(s.num_step_tokens)
         self.step_seqs.observe(s.num_step_seqs)
         self.step_time.observe(s.step_s)

@@ -22,7 +22,7 @@ from engine.plan import Plan
 from scheduler.loop import EngineLoop
 
 if TYPE_CHECKING:
-    from api.experts import ExpertTelemetry
+    from engine.expert_telemetry import ExpertTelemetry
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +37,7 @@ class ServerSettings:
     max_num_batched_tokens: int | None = None  # per step; None = the context's n_batch
     max_model_len: int | None = None  # per request; None = min(n_ctx, training context)
     max_stall_ms: float | None = 250.0  # step-time target while others decode (None = off)
+    stall_auto: bool = False  # the target is the default: chunks also stay efficient
     min_prefill_chunk: int = 32
     api_keys: tuple[str, ...] = ()  # any of them opens /v1 (api.auth); none: open
     protect_metrics: bool = False  # /metrics and /experts need a key too

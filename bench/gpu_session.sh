@@ -101,6 +101,25 @@ for s in "${steps[@]}"; do
     structured)  # issue 21: mask time on the model's vocabulary, constrained users beside free
       run mask-time python3 -m bench.mask_time --model "$MODEL"
       run constrained python3 -m bench.constrained --gpu --model "$MODEL" ;;
+    deploy-run)  # issue 22: deploy/run.sh end to end on the synthetic model: dry-run, serve,
+      # a request, the binding it reported (one-gpu on PATH runs api.cli from this checkout)
+      mkdir -p "$W/bin" && printf '#!/bin/sh\nexec python3 -m api.cli "$@"\n' > "$W/bin/one-gpu"
+      chmod +x "$W/bin/one-gpu"
+      PATH="$W/bin:$PATH" run deploy-dry bash deploy/run.sh --dry-run --model "$MODEL" \
+        --n-ctx 32768
+      PATH="$W/bin:$PATH" bash deploy/run.sh --model "$MODEL" --n-ctx 32768 --port 8091 \
+        > "$R/deploy-serve.log" 2>&1 &
+      run deploy-request python3 -m bench.deploy_smoke --port 8091 --log "$R/deploy-serve.log"
+      kill %1 2>/dev/null; wait ;;
+    stall24)  # issue 24: the stall policy, each with llama-server in the same run
+      run stall python3 -m bench.stall --gpu --peer-bin "$PEER_BIN" --model "$MODEL" \
+        --prompt-tokens 65000 --decoders 4
+      run stall-cpumoe python3 -m bench.stall --gpu --peer-bin "$PEER_BIN" \
+        --model "$MODEL" --prompt-tokens 16384 --decoders 4 --cpu-moe ;;
+    multiturn-cpumoe)  # issue 20 with the default stall target: experts in RAM, chat only
+      run multiturn-cpumoe python3 -m bench.multiturn --gpu --cpu-moe --peer-bin "$PEER_BIN" \
+        --model "$MODEL" --n-ctx 139264 --peer-args "--cache-ram 0" --scenario chat \
+        --scenario-timeout 240 --json "$R/multiturn-cpumoe.json" ;;
     tap-cost)  # paired, step by step (bench/tap_cost.py), then as a throughput difference
       run tapcost python3 -m bench.tap_cost --model "$MODEL" --concurrency 1 8 32 --steps 400
       run tapcost-throughput python3 -m bench.engine_step --model "$MODEL" --concurrency 1 8 32 \

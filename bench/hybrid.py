@@ -131,7 +131,7 @@ def _run_ours(args: argparse.Namespace, setup: Setup, row: Row, log_path: Path) 
 
 def _print_pick_share(url: str, layout: str) -> None:
     """What the router telemetry saw during the run (the server samples 2% of steps)."""
-    from api.experts import fetch_report
+    from api.experts_client import fetch_report
 
     try:
         r = fetch_report(url, 5)

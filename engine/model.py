@@ -22,6 +22,9 @@ from engine.placement import CpuOverrides
 
 log = logging.getLogger(__name__)
 
+CPU_ATTENTION_TILE = 64  # query rows per tile of ggml's CPU flash attention (GGML_FA_TILE_Q)
+KV_PAD_CELLS = 256  # llama.cpp pads each sequence's KV stream to a multiple of this
+
 
 class Model:
     """A loaded model plus its contexts (`main`: the shared lane). `close()` frees all."""
@@ -207,6 +210,15 @@ class Model:
             self.ll, n_layer=self.n_layer, n_expert=self.n_expert, n_ubatch=self.cfg.n_ubatch,
             rate=rate,
         )  # fmt: skip
+
+    def step_geometry(self) -> tuple[int, int]:
+        """(physical batch, attention tile): where a step's cost jumps. llama.cpp runs a
+        step as physical batches of n_ubatch rows; where attention runs on the CPU, ggml's
+        flash attention works in tiles of CPU_ATTENTION_TILE query rows from that many on
+        (0: not tiled, or a physical batch the tile does not divide)."""
+        ubatch = min(self.cfg.n_ubatch, self.n_batch)
+        tile = CPU_ATTENTION_TILE if self.attention_on_cpu else 0
+        return ubatch, tile if tile and ubatch % tile == 0 else 0
 
     @property
     def attention_on_cpu(self) -> bool:

@@ -2,7 +2,8 @@
 
 Synchronous and pure (no I/O, asyncio, ctypes or metrics): `schedule()` builds the next
 `StepBatch`, `postprocess()` folds the engine's `StepResult` back into request state and
-returns each request's stream delta plus the step's stats. Time is passed in, never read.
+returns each request's new tokens plus the step's stats (their text, and stop strings,
+are `scheduler.output`'s). Time is passed in, never read.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from engine.step_types import (
     StepResult,
     Trim,
 )
-from scheduler.budget import StepCostModel, StepTimeBudget
+from scheduler.budget import ChunkPolicy, FixedBudget, StallTarget
 from scheduler.kv import GrowthEstimate, KVPool, SwapCost, SwapSpace
 from scheduler.prefix import Lease, PrefixIndex, common_prefix
 from scheduler.request import Request, RequestOutput, RequestStatus
 from scheduler.stats import FinishedStats, StepStats
+from scheduler.step_cost import StepCostModel, StepDraft
 
 
 class QueueFull(Exception):
@@ -43,6 +45,7 @@ class SchedulerConfig:
     kv_watermark: int = 0  # cells kept free when admitting, so decoders are not preempted
     reserve_growth: bool = True  # admission keeps cells for the running requests' growth
     max_stall_s: float | None = None  # target step time while others decode (None = off)
+    stall_auto: bool = False  # the target is the server's default: chunks stay efficient
     min_prefill_chunk: int = 32  # prompt tokens a step always grants: prefill progresses
     ubatch: int = 0  # llama.cpp's physical batch: bounded steps avoid a short last one
     attention_tile: int = 0  # query rows per attention tile (ggml CPU: 64), the same
@@ -61,10 +64,6 @@ class SchedulerOutput:
     batch: StepBatch
     reqs: list[Request] = field(default_factory=list)
     num_preempted: int = 0
-    num_decode: int = 0  # decode tokens in the batch
-    decode_depth: int = 0  # KV cells the decode tokens attend, summed
-    prompt_chunks: list[tuple[int, int]] = field(default_factory=list)  # (tokens, KV depth)
-    bounded: bool = False  # its prompt chunks were sized for the stall target
 
     @property
     def is_empty(self) -> bool:
@@ -101,11 +100,20 @@ class Scheduler:
         self._num_swapped_out = 0  # of which swapped
         self._kv_blocked_since: float | None = None  # the queue's head waits for KV since
         self._now = 0.0  # the time of the last schedule()
-        self.cost = StepCostModel(cfg.ubatch, cfg.attention_tile)
+        cost = StepCostModel(cfg.ubatch, cfg.attention_tile)
+        self.policy: ChunkPolicy = (
+            FixedBudget(cost) if cfg.max_stall_s is None else StallTarget(
+                cost, cfg.max_stall_s, cfg.min_prefill_chunk, cfg.max_num_batched_tokens,
+                cfg.stall_auto,
+            )
+        )  # fmt: skip
+        self.cost = cost
+        self._draft = StepDraft()  # the step last scheduled, as the policy saw it
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._by_id: dict[str, Request] = {}
         self._aborts: set[str] = set()
+        self._stops: set[str] = set()  # running requests their text stopped (`stop`)
         self._released: list[int] = []
         self._finished: list[FinishedStats] = []  # finished outside a step (aborts)
         # Set when the backend refused KV our accounting allowed: admit nobody new until a
@@ -171,7 +179,8 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(
-            self.waiting or self.running or self._aborts or self._released or self._swap_drop
+            self.waiting or self.running or self._aborts or self._stops or self._released
+            or self._swap_drop
             or self._kv_ops or self._retained
         )  # fmt: skip
 
@@ -214,15 +223,13 @@ class Scheduler:
             and not others_waiting
             and all(len(r.output_ids) < 2 for r, _ in plan.values())
         )
-        timer = StepTimeBudget(
-            self.cost, self.cfg.max_stall_s, n_decode, self.cfg.min_prefill_chunk, burst,
-            others_waiting,
-        )  # fmt: skip
+        draft = StepDraft(n_decode, decode_depth, n_decode > 0 or others_waiting, burst)
         for req in prefilling:
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             req.split_at = self._offer_point(req, req.num_computed, req.shared)
-            n = timer.grant(
+            n = self.policy.grant(
+                draft,
                 min(req.num_uncomputed, budget, self._chunk_cap(req), self._until_split(req)),
                 req.num_computed,
                 req.num_uncomputed,
@@ -233,6 +240,7 @@ class Scheduler:
             preempted += n_pre
             if ok:
                 plan[req.req_id] = (req, n)
+                draft.chunks.append((n, req.num_computed))
                 budget -= n
         budget = self.cfg.max_num_batched_tokens - sum(n for _, n in plan.values())
         starts: list[SeqStart] = []
@@ -274,8 +282,11 @@ class Scheduler:
             # others waiting share a stretch of this prompt: it offers that stretch first
             split = self._offer_point(req, cached, cached)
             cap = split - cached if split is not None else rest
-            n = timer.grant(
-                min(rest, budget, self._chunk_cap(req), cap), req.num_computed + cached, rest
+            n = self.policy.grant(
+                draft,
+                min(rest, budget, self._chunk_cap(req), cap),
+                req.num_computed + cached,
+                rest,
             )
             if n < 1:
                 break
@@ -308,6 +319,7 @@ class Scheduler:
             self._make_room(held + n)
             self.pool.grow(req.seq_id, held + n)
             plan[req.req_id] = (req, n)
+            draft.chunks.append((n, req.num_computed))
             budget -= n
         self._kv_blocked(kv_blocked, now)
 
@@ -315,13 +327,8 @@ class Scheduler:
             [], starts, self._released, self._swap_out, swap_in, self._swap_drop,
             self._retained, self._kv_ops,
         )  # fmt: skip
-        out = SchedulerOutput(
-            batch,
-            num_preempted=preempted,
-            num_decode=n_decode,
-            decode_depth=decode_depth,
-            bounded=timer.bounded,
-        )
+        out = SchedulerOutput(batch, num_preempted=preempted)
+        draft.chunks = []
         self._released, self._swap_out, self._swap_drop = [], [], []
         self._retained, self._kv_ops = [], []
         self._unhold_ready, self._unhold_after = self._unhold_after, []
@@ -335,7 +342,8 @@ class Scheduler:
             out.batch.chunks.append(chunk)
             out.reqs.append(req)
             if not (n == 1 and req.output_ids and pos0 + 1 == req.num_tokens):
-                out.prompt_chunks.append((n, pos0))
+                draft.chunks.append((n, pos0))
+        self._draft = draft
         assert out.batch.num_tokens <= self.cfg.max_num_batched_tokens, "step over budget"
         self.pool.sanity_checks()
         self.swap.sanity_checks()
@@ -740,15 +748,29 @@ class Scheduler:
             self._released.append(req.seq_id)
             req.seq_id = None
 
+    def stop(self, req_id: str, now: float) -> None:
+        """Its text reached a stop string (scheduler.output): it ends as stopped — its KV
+        kept for the prefix cache, like any finished request — before the next step."""
+        req = self._by_id.get(req_id)
+        if req is None:
+            return
+        if req.status is RequestStatus.WAITING:  # preempted: nothing runs it now
+            self.waiting.remove(req)
+            self._finish(req, RequestStatus.FINISHED_STOPPED, now, self._finished)
+        else:
+            self._stops.add(req_id)
+
     def _apply_aborts(self, now: float) -> None:
-        for req_id in self._aborts:
-            req = self._by_id.get(req_id)
-            if req is None or req.status.is_finished:
-                continue
-            if req.status is RequestStatus.WAITING:
-                self.waiting.remove(req)
-            self._finish(req, RequestStatus.FINISHED_ABORTED, now, self._finished)
-        self._aborts.clear()
+        for ids, status in ((self._aborts, RequestStatus.FINISHED_ABORTED),
+                            (self._stops, RequestStatus.FINISHED_STOPPED)):  # fmt: skip
+            for req_id in ids:
+                req = self._by_id.get(req_id)
+                if req is None or req.status.is_finished:
+                    continue
+                if req.status is RequestStatus.WAITING:
+                    self.waiting.remove(req)
+                self._finish(req, status, now, self._finished)
+            ids.clear()
 
     def _finish(
         self, req: Request, status: RequestStatus, now: float, into: list[FinishedStats]
@@ -788,22 +810,23 @@ class Scheduler:
     def postprocess(
         self, out: SchedulerOutput, result: StepResult, now: float
     ) -> tuple[list[RequestOutput], StepStats]:
-        """The one loop over a step's outputs: advance, append, detokenize, stop, finish."""
+        """The one loop over a step's outputs: advance, append, finish by token."""
         self._swaps_done(out, result.swap_out_failed + result.swap_in_failed)
         self.swap_cost.observe(result.swap_out_bytes, result.swap_out_s)
         self.swap_cost.observe(result.swap_in_bytes, result.swap_in_s)
         engine_s = result.fill_s + result.decode_s + result.sample_s
+        step = self._draft
+        bounded = self.policy.bounded(step) and bool(step.chunks)
+        planned_s = self.cost.step_time(step) if bounded else 0.0
         if not result.prompt_logprobs:  # (a scored prompt's extra call is not prompt cost)
-            self.cost.observe(
-                out.num_decode, out.prompt_chunks, engine_s, planned=out.bounded,
-                decode_depth=out.decode_depth,
-            )  # fmt: skip
+            self.policy.observe(step, engine_s)
         stats = StepStats(
             num_step_tokens=out.batch.num_tokens,
-            num_step_prompt_tokens=sum(n for n, _ in out.prompt_chunks),
-            cost_model=self.cost.estimate(),
-            cost_bias=self.cost.bias,
-            cost_headroom=StepTimeBudget.headroom(self.cost),
+            num_step_prompt_tokens=sum(n for n, _ in step.chunks),
+            step_shape=(step.n_decode, list(step.chunks)),
+            stall_target_s=self.cfg.max_stall_s if bounded else None,
+            modelled_s=planned_s,
+            chunk_policy=self.policy.stats(),
             num_step_seqs=len(out.batch.chunks),
             fill_s=result.fill_s,
             decode_s=result.decode_s,
@@ -872,26 +895,17 @@ class Scheduler:
             req.max_gap_s = max(req.max_gap_s, gap)
         req.last_token_time = now
 
+        # Ended by its tokens here; by its text (stop strings) in scheduler.output, which
+        # then calls `stop`. The text is filled in there.
         status: RequestStatus | None = None
-        hit = False
         if req.is_eog(tok):
-            text = ""
             status = RequestStatus.FINISHED_STOPPED
-        else:
-            text, hit = req.stops.feed(req.detok.add(tok))
-            if hit:
-                status = RequestStatus.FINISHED_STOPPED
-        if status is None and len(req.output_ids) >= req.max_tokens:
+        elif len(req.output_ids) >= req.max_tokens:
             status = RequestStatus.FINISHED_LENGTH
-        if status is not None and not hit:
-            tail, hit = req.stops.feed(req.detok.flush())
-            text += tail if hit else tail + req.stops.flush()
-            if hit:
-                status = RequestStatus.FINISHED_STOPPED
         logprobs = [s] if req.params.logprobs else []
         if status is not None:
             self._finish(req, status, now, stats.finished)
-        return self._output(req, text, [tok], status.finish_reason if status else None, logprobs)
+        return self._output(req, "", [tok], status.finish_reason if status else None, logprobs)
 
     @staticmethod
     def _output(

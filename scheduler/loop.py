@@ -6,7 +6,8 @@ callback. The event loop only adds and aborts requests and streams results, so H
 streaming and /metrics keep answering during a step, and a busy event loop never delays
 the next step (a hand-off per step through an executor cost ~1.5 ms of a 15 ms step).
 The core is guarded by one lock: the engine thread holds it while scheduling and
-postprocessing, never while llama.cpp runs; add/abort take it briefly.
+postprocessing, never while llama.cpp runs or while it turns the step's tokens into text
+(`scheduler.output`); add/abort take it briefly.
 
 Lanes: besides the shared ("fast") lane, a server may run other lanes — a scheduler and an
 engine step of their own, on another llama.cpp context (the reproducible lane). Each loop
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from engine.errors import KVCacheFull
 from engine.step_types import StepBatch, StepResult
 from scheduler.core import Scheduler, SchedulerOutput
+from scheduler.output import OutputProcessor
 from scheduler.request import SHUTDOWN, Request, RequestOutput
 from scheduler.stats import FAST, StepStats
 
@@ -60,6 +62,7 @@ class EngineLoop:
         self._on_stats = on_stats
         self._clock = clock
         self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}  # event-loop side only
+        self._text = OutputProcessor()  # engine thread, outside the lock (add/drop: inside)
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._closed = False
@@ -123,6 +126,8 @@ class EngineLoop:
         sched = self.lanes[lane].scheduler
         with self._work:
             sched.add_group(reqs)
+            for req in reqs:
+                self._text.add(req)
             self._work.notify()
         queues = []
         for req in reqs:
@@ -150,6 +155,7 @@ class EngineLoop:
         if self._streams.pop(req_id, None) is not None and sched is not None:
             with self._work:
                 sched.abort(req_id, self._clock())
+                self._text.drop(req_id)
                 self._work.notify()
 
     @property
@@ -186,11 +192,6 @@ class EngineLoop:
 
     def _step_lane(self, lane: Lane, out: SchedulerOutput, schedule_s: float) -> None:
         sched = lane.scheduler
-        bounded = out.bounded and bool(out.prompt_chunks)
-        modelled = sched.cost.step_time(out.num_decode, out.prompt_chunks) if bounded else 0.0
-        trace = bounded and log.isEnabledFor(logging.DEBUG)  # the cost model's, per step
-        size = out.num_decode + sum(n for n, _ in out.prompt_chunks) if trace else 0
-        class_bias = sched.cost.bias_for(size) if trace else 0.0  # what it was planned with
         p1 = time.perf_counter()
         result: StepResult | None
         try:
@@ -209,25 +210,28 @@ class EngineLoop:
                 outputs, stats = sched.fail(out, self._clock())
             else:
                 outputs, stats = sched.postprocess(out, result, self._clock())
+        outputs, stopped = self._text.process(outputs)  # outside the lock
+        if stopped:
+            with self._work:
+                for req_id in stopped:
+                    sched.stop(req_id, self._clock())
         p3 = time.perf_counter()
         stats.lane = lane.name
         stats.schedule_s = schedule_s
         stats.postprocess_s = p3 - p2
         stats.step_s = schedule_s + p3 - p1
-        if bounded and stats.step_s > (sched.cfg.max_stall_s or 0.0):
-            self._log_over_target(stats.step_s, p2 - p1, modelled, out)
-        elif trace:  # the cost model's trace
+        if stats.stall_target_s is not None and stats.step_s > stats.stall_target_s:
+            self._log_over_target(stats, p2 - p1)
+        elif stats.stall_target_s is not None and log.isEnabledFor(logging.DEBUG):
             log.debug(
-                "planned step: %.1f ms (engine %.1f ms, modelled %.1f ms, planned with bias "
-                "%.2f, now %.2f, all sizes %.2f; %d decode tokens, prompt chunks %s)",
-                1000 * stats.step_s, 1000 * (p2 - p1), 1000 * modelled, class_bias,
-                sched.cost.bias_for(size), sched.cost.bias, out.num_decode, out.prompt_chunks,
+                "planned step: %.1f ms (engine %.1f ms, modelled %.1f ms; %d decode tokens, "
+                "prompt chunks %s as (tokens, KV depth); policy %s)",
+                1000 * stats.step_s, 1000 * (p2 - p1), 1000 * stats.modelled_s,
+                stats.step_shape[0], stats.step_shape[1], stats.chunk_policy,
             )  # fmt: skip
         self._post(outputs, stats)
 
-    def _log_over_target(
-        self, step_s: float, engine_s: float, modelled_s: float, out: SchedulerOutput
-    ) -> None:
+    def _log_over_target(self, stats: StepStats, engine_s: float) -> None:
         """Say that a step ran past --max-stall-ms, and why it might have: at most once a
         second (an unreachable target would otherwise log every step)."""
         now = time.monotonic()
@@ -238,8 +242,8 @@ class EngineLoop:
             "step over the stall target: %.0f ms (engine %.0f ms, modelled %.0f ms; "
             "%d decode tokens, prompt chunks %s as (tokens, KV depth)); %d more since the "
             "last such line",
-            1000 * step_s, 1000 * engine_s, 1000 * modelled_s, out.num_decode,
-            out.prompt_chunks, self._over_unlogged,
+            1000 * stats.step_s, 1000 * engine_s, 1000 * stats.modelled_s,
+            stats.step_shape[0], stats.step_shape[1], self._over_unlogged,
         )  # fmt: skip
         self._over_logged, self._over_unlogged = now, 0
 

@@ -59,6 +59,8 @@ class StepStats:
     queue_s: list[float] = field(default_factory=list)
     itl_s: list[float] = field(default_factory=list)
     finished: list[FinishedStats] = field(default_factory=list)
-    cost_model: dict[str, float] = field(default_factory=dict)  # the scheduler's estimates
-    cost_bias: float | None = None  # its measured / modelled time of recent planned steps
-    cost_headroom: float | None = None  # the share of the stall target steps are planned to
+    # the step as the chunk policy saw it: (decode tokens, prompt chunks as (tokens, depth))
+    step_shape: tuple[int, list[tuple[int, int]]] = (0, [])
+    stall_target_s: float | None = None  # the target it was held to (None: not bounded)
+    modelled_s: float = 0.0  # what the cost model expected of it (when bounded)
+    chunk_policy: dict[str, float] = field(default_factory=dict)  # its figures (/metrics)

@@ -12,10 +12,21 @@ MODEL = "gemma-3-270m"
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """The embedded model served as `make serve` would, with a small per-step budget so
-    long prompts are visibly chunked."""
+    long prompts are visibly chunked, and a set stall target (the default lets a CPU's
+    steps run longer where it needs larger chunks to prefill efficiently)."""
     log = tmp_path_factory.mktemp("server") / "server.log"
     srv = start_server(
-        ["--n-ctx", "16384", "--n-seq-max", "24", "--max-num-batched-tokens", "512"], log
+        [
+            "--n-ctx",
+            "16384",
+            "--n-seq-max",
+            "24",
+            "--max-num-batched-tokens",
+            "512",
+            "--max-stall-ms",
+            "250",
+        ],
+        log,
     )
     yield srv
     srv.stop()

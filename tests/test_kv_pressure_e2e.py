@@ -36,10 +36,13 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _serve(model: Path, *extra: str, pool: int = POOL) -> Server:
     # No prefix cache: the phases send the same prompts again, which the cache would serve
-    # from KV; these tests measure what pressure costs when every prompt is computed.
+    # from KV; these tests measure what pressure costs when every prompt is computed. A set
+    # stall target: the default lets a CPU's prompt chunks grow to prefill efficiently, so
+    # a running request's pause for a newcomer's prompt would be the stall policy's doing.
     return start_server(
         ["--model", str(model), "--served-model-name", "tiny", "--n-ctx", str(pool),
-         "--n-seq-max", "16", "--repro-slots", "0", "--no-prefix-cache", *extra],
+         "--n-seq-max", "16", "--repro-slots", "0", "--no-prefix-cache",
+         "--max-stall-ms", "250", *extra],
         model.parent / f"server{'-'.join(extra)}.log",
     )  # fmt: skip
 
