@@ -25,11 +25,14 @@ else
   LLAMA_CMAKE_ARGS :=
 endif
 STAMP := $(VENV)/.installed-$(GPU)
-LLAMA_STAMP := $(VENV)/.llama-$(GPU)
 LLAMA_BUILD := .build
 LLAMA_SDIST := $(LLAMA_BUILD)/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz
 LLAMA_SRC := $(LLAMA_BUILD)/llama_cpp_python-$(LLAMA_CPP_VERSION)
 PATCHES := $(sort $(wildcard engine/llama_patches/*.patch))
+# The build's stamp names the version and the set of patches: a patch removed or a version
+# changed is a stamp not there, so a rebuild (a patch edited is a newer prerequisite).
+PATCH_SET := $(shell printf '%s\n' $(notdir $(PATCHES)) | cksum | cut -d' ' -f1)
+LLAMA_STAMP := $(VENV)/.llama-$(GPU)-$(LLAMA_CPP_VERSION)-$(PATCH_SET)
 # Native parts, no link dependency: the expert-telemetry callback (engine/expert_tap.py says
 # why it is C) and the step's decode-and-sample call (engine/native/decode_sample.c). Built on
 # the machine that runs them, for its CPU.
@@ -54,7 +57,7 @@ $(STEP): engine/native/decode_sample.c
 
 # llama-cpp-python from its PyPI source with our patches to the llama.cpp it vendors
 # (engine/llama_patches/, applied in name order), built for this machine: rebuilt when a
-# patch changes.
+# patch or the version changes.
 $(LLAMA_STAMP): $(PATCHES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip

@@ -32,7 +32,6 @@ from api.lanes import FAST, REPRODUCIBLE, fingerprints
 from api.metrics import CONTENT_TYPE, Metrics
 from api.openai_routes import chat_completions, completions, list_models
 from api.openapi import openapi_json
-from api.planning import Placement, describe
 from api.reasoning import template_reasons
 from api.state import ServerSettings, ServerState, server_state
 from api.tool_calls import detect as detect_tool_format
@@ -41,6 +40,7 @@ from engine.chat_template import ChatTemplate
 from engine.expert_telemetry import ExpertTelemetry
 from engine.model import Model
 from engine.runner import Engine
+from engine.tensor_layout import Placement, describe
 from scheduler.core import Scheduler, SchedulerConfig
 from scheduler.loop import EngineLoop
 
@@ -173,7 +173,17 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
+# While the model loads (minutes for a large one) /metrics answers, so that Prometheus sees
+# the process up and a loading server does not look like a dead one (OneGpuDown).
+LOADING_METRICS = (
+    b"# HELP onegpu_loading 1 while the model loads: the server listens before it serves\n"
+    b"# TYPE onegpu_loading gauge\nonegpu_loading 1.0\n"
+)
+
+
 async def metrics(request: Request) -> Response:
+    if request.app.state.server is None:
+        return Response(LOADING_METRICS, media_type=CONTENT_TYPE)
     return Response(server_state(request).metrics.render(), media_type=CONTENT_TYPE)
 
 

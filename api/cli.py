@@ -40,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-batched-tokens", type=int, help="per-step token budget (<= n-batch)")
     s.add_argument("--max-model-len", type=int, help="per-request context limit")
     s.add_argument(
-        "--max-stall-ms", type=float, default=None,
+        "--max-stall-ms", type=_non_negative, default=None,
         help="while others decode, size prompt chunks so a step stays under this (0 = off; "
         "default: 250, longer where this machine needs larger chunks to prefill efficiently)",
     )  # fmt: skip
@@ -274,6 +274,13 @@ def _serve(args: argparse.Namespace) -> None:
 
     settings = serve_settings(args)
     serve(build_app(settings), settings, args.host, args.port, args.log_level)
+
+
+def _non_negative(v: str) -> float:
+    x = float(v)
+    if not x >= 0:  # (NaN too)
+        raise argparse.ArgumentTypeError(f"{v} is not a time in ms (0 = off)")
+    return x
 
 
 def serve_settings(args: argparse.Namespace) -> ServerSettings:

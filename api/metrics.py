@@ -144,6 +144,11 @@ class Metrics:
             "Per finished request, its longest gap between two tokens: the stall it saw",
             buckets=_LATENCY, registry=r,
         )  # fmt: skip
+        Gauge(
+            "onegpu_loading",
+            "1 while the model loads: the server listens before it serves",
+            registry=r,
+        ).set(0)
         self.cost_model = Gauge(
             "onegpu_cost_model_seconds",
             "The scheduler's learned step-time model: decode_step_s + decode_token_s * D + "

@@ -36,7 +36,10 @@ def main() -> None:
     args = p.parse_args()
     base = f"http://127.0.0.1:{args.port}"
     print(f"ready after {ready(base, args.timeout):.1f} s")
-    body = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16}
+    with urllib.request.urlopen(f"{base}/v1/models", timeout=30) as r:
+        model = json.load(r)["data"][0]["id"]
+    body = {"model": model, "messages": [{"role": "user", "content": "Say hello."}],
+            "max_tokens": 16}  # fmt: skip
     req = urllib.request.Request(
         f"{base}/v1/chat/completions", json.dumps(body).encode(),
         {"Content-Type": "application/json"},

@@ -72,7 +72,7 @@ def fetch(src: Source) -> Path:
             f"cannot fetch {src.repo}/{missing[0]} from {endpoint()} ({_why(e)}), and it is "
             f"not in the cache {src.where()}: connect, or give --model PATH"
         ) from None
-    need = sum(m.size or 0 for m in metas)
+    need = sum(max((m.size or 0) - _arrived(src, m.etag), 0) for m in metas)
     free = shutil.disk_usage(_existing(Path(src.where()))).free
     if need > free:
         raise DownloadError(
@@ -91,6 +91,18 @@ def fetch(src: Source) -> Path:
         _check(path, meta.etag, f"{src.repo}/{part}")
         have[part] = str(path)
     return Path(str(have[src.parts[0]]))
+
+
+def _arrived(src: Source, etag: str | None) -> int:
+    """Bytes of a broken transfer of this file already on disk (the hub client's
+    `blobs/<etag>.incomplete`, which it resumes): they need no more room."""
+    if not etag:
+        return 0
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    root = Path(src.cache) if src.cache else Path(HF_HUB_CACHE)
+    blob = root / f"models--{src.repo.replace('/', '--')}" / "blobs" / f"{etag}.incomplete"
+    return blob.stat().st_size if blob.is_file() else 0
 
 
 def _cached(src: Source, part: str) -> str | None:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from deploy.download import DownloadError, Source, endpoint, fetch
-from deploy.numa import Target, candidates, choose, sysfs, target
+from deploy.numa import Target, candidates, choose, gpus, sysfs, target
 
 SERVE = [sys.executable, "-m", "api.cli", "serve"]
 
@@ -67,9 +67,28 @@ def serve_options(rest: Sequence[str], threads: int | None) -> list[str]:
     return [*out, *rest]
 
 
-def dry_run(t: Target | str, rest: Sequence[str], src: Source | None = None) -> list[str]:
+def gpu_env(root: Path, gpu: int | None, environ: dict[str, str]) -> dict[str, str]:
+    """What makes the server drive the GPU it is bound beside, and only that one: CUDA
+    numbers GPUs fastest first unless told to follow the PCI bus, as nvidia-smi's indices
+    (and `--gpu`) do. Nothing where the operator (or a container runtime) chose the
+    visible GPUs already, or no GPU is found."""
+    found = gpus(root)
+    # (a container runtime that exposes some GPUs says so in NVIDIA_VISIBLE_DEVICES, and
+    # sysfs there still lists the host's: its numbering is not CUDA's)
+    if {"CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"} & set(environ) or not found:
+        return {}
+    return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": str(gpu or 0)}
+
+
+def dry_run(
+    t: Target | str,
+    rest: Sequence[str],
+    src: Source | None = None,
+    env: dict[str, str] | None = None,
+) -> list[str]:
     """The lines `--dry-run` prints: what would run, in order, nothing started."""
     lines = []
+    pre = [f"{k}={v}" for k, v in (env or {}).items()]
     if src is not None:
         parts = src.parts
         lines += [f"# fetch into {src.where()} what is not there (sized against the free "
@@ -87,9 +106,9 @@ def dry_run(t: Target | str, rest: Sequence[str], src: Source | None = None) -> 
         prefix, threads = tries[0][0], t.cores
     opts = serve_options(rest, threads)
     lines += ["# plan, as the server will (a plan that does not fit stops here):",
-              shlex.join([*SERVE, "--plan-only", *opts]),
+              shlex.join([*pre, *SERVE, "--plan-only", *opts]),
               "# serve (under the binding that held; shown with the first):",
-              shlex.join([*prefix, *SERVE, *opts])]  # fmt: skip
+              shlex.join([*pre, *prefix, *SERVE, *opts])]  # fmt: skip
     return lines
 
 
@@ -101,9 +120,11 @@ def main(argv: Sequence[str]) -> int:
     except ValueError as e:
         sys.stderr.write(f"one-gpu run: {e}\n")
         return 2
+    env = gpu_env(sysfs(), args.gpu, dict(os.environ))
     if args.dry_run:
-        sys.stdout.write("\n".join(dry_run(t, rest, src)) + "\n")
+        sys.stdout.write("\n".join(dry_run(t, rest, src, env)) + "\n")
         return 0
+    os.environ.update(env)  # the plan and the server see the same GPU
     if src is not None:
         try:
             rest = ["--model", str(fetch(src)), *rest]
@@ -112,6 +133,8 @@ def main(argv: Sequence[str]) -> int:
             return 2
     binding = choose(t)
     sys.stdout.write(binding.report + "\n")
+    if env:
+        sys.stdout.write(f"GPU: {shlex.join(f'{k}={v}' for k, v in env.items())}\n")
     opts = serve_options(rest, binding.threads)
     plan = subprocess.run([*SERVE, "--plan-only", *opts], check=False)
     if plan.returncode != 0:

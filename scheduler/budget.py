@@ -1,9 +1,8 @@
 """How many prompt tokens a step may carry: the chunk policy.
 
-A long prompt is prefilled in chunks, one per step, beside the users decoding; the chunk
-size trades their pause (a step's time) against the prompt's time to its first token. Two
-policies answer it behind one interface — `grant(step, n_max, depth)` for each prompt chunk
-of the step being planned, `observe(step, seconds)` once it ran, `stats()` for /metrics:
+A long prompt is prefilled in chunks, one per step, beside the users decoding: a trade of
+their pause against its first token. Two policies behind one interface — `grant(step,
+n_max, depth)` per prompt chunk, `observe(step, seconds)` once it ran, `stats()`:
 
 - `FixedBudget` grants every chunk the step's token budget (llama.cpp's and vLLM's
   behaviour; `--max-stall-ms 0`): the fastest prefill, and decoders wait for all of it.
@@ -19,8 +18,7 @@ of the step being planned, `observe(step, seconds)` once it ran, `stats()` for /
      down, a prefill deeper than the fit's points).
   3. The margin plans to a high quantile of the recent residuals, not their mean: a
      steady GPU keeps a few percent, a shared CPU room for its 1.34x spikes (its ggml
-     threads all wait at each op's barrier for one preempted thread). Where the step's
-     floor itself is near the target, the least-risk chunk (`_least_risk`) is larger.
+     threads all wait at each op's barrier for one preempted thread); `_least_risk`.
   4. The first chunk of a step gets at least `min_chunk` tokens, so prefill always
      progresses (also before any prompt was measured); a step is never larger than the
      model can be trusted with (`StepCostModel.trusted_rows`).
@@ -53,17 +51,11 @@ class ChunkPolicy(Protocol):
         end, may add to `step`."""
         ...
 
-    def bounded(self, step: StepDraft) -> bool:
-        """Is this step held to a target?"""
-        ...
+    def bounded(self, step: StepDraft) -> bool: ...  # is this step held to a target?
 
-    def observe(self, step: StepDraft, seconds: float) -> None:
-        """The step ran (the engine's time)."""
-        ...
+    def observe(self, step: StepDraft, seconds: float) -> None: ...  # the engine's time
 
-    def stats(self) -> dict[str, float]:
-        """Figures for /metrics."""
-        ...
+    def stats(self) -> dict[str, float]: ...  # figures for /metrics
 
 
 class FixedBudget:
@@ -103,6 +95,7 @@ class StallTarget:
         self.step_tokens = step_tokens  # the most tokens a step may carry
         self.auto = auto
         self.correction = 0.0  # log(measured / modelled), weighted to the newest
+        self._memo: dict[int, float] = {}  # _time's, for the grant under way
         self.residuals: deque[float] = deque(maxlen=self.WINDOW)
 
     def bounded(self, step: StepDraft) -> bool:
@@ -128,25 +121,28 @@ class StallTarget:
         floor = 0 if step.chunks else min(self.min_chunk, n_max)
         if not self.cost.knows_prompts or n_max < 1:
             return floor
+        self._memo = {}  # _time's, for this grant
         n = self._least_risk(step, n_max, depth)
-        if self.auto:
+        if self.auto and not step.chunks:  # (a later chunk shares a step already sized)
             n = max(n, self._knee(step, n_max, depth))
         n = max(n, floor)
-        if 0 < rest - n < self.min_chunk and rest <= n_max:
-            # A last chunk under the minimum is a step of its own, in a kernel seldom
-            # measured: with the experts in host RAM, under 32 rows they are computed on
-            # the CPU (an H200 step of 4 decoders and an 18-token tail: 282 ms, planned
-            # 179). So the whole rest, where its step fits the target, else less.
+        if n > 0 and 0 < rest - n < self.min_chunk and rest <= n_max:
+            # No last chunk under the minimum (experts in host RAM are computed on the CPU
+            # under 32 rows: 4 decoders and an 18-token tail took 282 ms, planned 179)
             fits = step.rows + rest <= self.cost.trusted_rows() and (
                 self._time(step, rest, depth) * math.exp(self.correction) <= self.target
             )
-            n = rest if fits else max(rest - self.min_chunk, 1)
+            n = rest if fits else (rest - self.min_chunk if rest - self.min_chunk >= floor else n)
         return min(n, n_max)
 
     def _time(self, step: StepDraft, n: int, depth: int) -> float:
         """The step's modelled time with an n-token chunk from `depth` added."""
-        draft = StepDraft(step.n_decode, step.decode_cells, chunks=[*step.chunks, (n, depth)])
-        return self.cost.step_time(draft)
+        if n not in self._memo:
+            chunks = [*step.chunks, (n, depth)]
+            self._memo[n] = self.cost.step_time(
+                StepDraft(step.n_decode, step.decode_cells, chunks=chunks)
+            )
+        return self._memo[n]
 
     def _ends(self, step: StepDraft, n_max: int) -> list[int]:
         """Chunks that end the step on a boundary where kernels change — a full physical
@@ -161,33 +157,37 @@ class StallTarget:
     _RANKS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96)
 
     def _least_risk(self, step: StepDraft, n_max: int, depth: int) -> int:
-        """The chunk with the fewest expected steps over the target per prompt token (the
-        step's prompt tokens / P(over): the share of recent residuals that would put it
-        over, any risk under 1 - QUANTILE counted as that much); within one limit, the
-        one that prefills fastest (on the 2-core CPU a 64-row step, tiled attention, took
-        1.5x a 63-row one). With the floor (decoders, minimum chunk) well under the target
-        that is the fastest chunk planned to the QUANTILE. With the floor near it (experts
-        in host RAM: any prompt step copies them to the GPU), the floor's spread puts steps
-        over whatever the chunk, and larger chunks for a few percent more step make the
-        prefill, and its steps that can go over, several times fewer (planned to the
-        quantile, an H200 prefill took 32-row chunks and 14x an idle first token)."""
-        r = self._residuals()
+        """The fastest chunk planned to the QUANTILE — of the chunks within a limit, the one
+        that prefills fastest (on the 2-core CPU a 64-row step, tiled attention, took 1.5x
+        a 63-row one). Unless the floor (decoders, minimum chunk) is itself over the
+        quantile (experts in host RAM: any prompt step copies them to the GPU): its spread
+        then puts steps over whatever the chunk, and the chunk is the one with the fewest
+        expected steps over the target per prompt token (prompt tokens / the share of
+        recent residuals that would put it over): larger chunks for a few percent more step
+        make the prefill, and its steps that can go over, several times fewer (planned to
+        the quantile, an H200 prefill took 32-row chunks and 14x an idle first token)."""
+        r, ok = self._residuals(), 1.0 - self.QUANTILE
         floor = 0 if step.chunks else min(self.min_chunk, n_max)
         ends = self._ends(step, n_max)
         rate = {n: n / max(self._time(step, n, depth), 1e-12) for n in ends}
-        best, best_score = 0, 0.0
+
+        def risk(n: int) -> float:  # the share of recent steps that would put it over
+            over = math.log(self.target / max(self._time(step, n, depth), 1e-12))
+            return sum(x > over - self.correction for x in r) / len(r)
+
+        held = risk(floor) <= ok  # the quantile holds at the floor
+        best, best_score = floor if held else 0, 0.0
         for k in (k for k in self._RANKS if k <= len(r)):
             limit = self.target * math.exp(-self.correction - max(r[k - 1], 0.0))
             top = self._largest_within(step, n_max, depth, limit)
             rate[top] = top / max(self._time(step, top, depth), 1e-12) if top else 0.0
             n = max(max([top, *(e for e in ends if e <= top)], key=rate.__getitem__), floor)
-            # the share of recent steps that, landing as they did, would put this one over
-            over = math.log(self.target / max(self._time(step, n, depth), 1e-12)) - self.correction
-            risk = max(sum(x > over for x in r) / len(r), 1.0 - self.QUANTILE)
-            score = (step.rows - step.n_decode + n) / risk  # the step's prompt tokens
-            if score > best_score:
-                best, best_score = n, score
-            if top >= n_max:
+            p = risk(n)
+            if held:
+                best = max(best, n) if p <= ok else best
+            elif (step.rows - step.n_decode + n) / max(p, ok) > best_score:
+                best, best_score = n, (step.rows - step.n_decode + n) / max(p, ok)
+            if top >= n_max or (held and p > ok):
                 break
         return best
 
@@ -205,9 +205,9 @@ class StallTarget:
     def _knee(self, step: StepDraft, n_max: int, depth: int) -> int:
         """The smallest chunk whose step prefills within EFFICIENCY of the best a step can
         at this depth (seconds per prompt token, decoders included: they are in every step
-        of a prefill; the best over every step size, as modelled), bisected in the first
-        stretch between kernel boundaries whose end is efficient enough; at most `n_max`
-        and what the model can be trusted with (the chunks grow there step by step)."""
+        of a prefill; with the experts in host RAM their step is most of it), over every
+        step size as modelled, bisected in the first stretch between kernel boundaries
+        whose end is efficient enough; at most `n_max` and what the model can trust."""
         ends = self._ends(step, self.step_tokens - step.rows)
         if not ends:
             return 0

@@ -803,6 +803,7 @@ class Scheduler:
                 max_gap_s=req.max_gap_s if len(req.output_ids) > 1 else None,
                 queue_s=None if started is None else started - req.arrival_time,
                 kv_wait_s=req.kv_wait_s,
+                req_id=req.req_id,
             )
         )
 
@@ -824,7 +825,8 @@ class Scheduler:
             num_step_tokens=out.batch.num_tokens,
             num_step_prompt_tokens=sum(n for n, _ in step.chunks),
             step_shape=(step.n_decode, list(step.chunks)),
-            stall_target_s=self.cfg.max_stall_s if bounded else None,
+            # (the default target is soft: its steps may run longer to prefill efficiently)
+            stall_target_s=self.cfg.max_stall_s if bounded and not self.cfg.stall_auto else None,
             modelled_s=planned_s,
             chunk_policy=self.policy.stats(),
             num_step_seqs=len(out.batch.chunks),

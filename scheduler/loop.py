@@ -215,6 +215,9 @@ class EngineLoop:
             with self._work:
                 for req_id in stopped:
                     sched.stop(req_id, self._clock())
+            for f in stats.finished:  # ended at max_tokens by the core, by its text here
+                if f.req_id in stopped:
+                    f.finish_reason = "stop"
         p3 = time.perf_counter()
         stats.lane = lane.name
         stats.schedule_s = schedule_s

@@ -38,8 +38,9 @@ class OutputProcessor:
         self._texts.pop(req_id, None)
 
     def process(self, outputs: list[RequestOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """The outputs with their text; and the requests a stop string ended, which the
-        scheduler has not ended yet. Outputs of a request already ended are dropped."""
+        """The outputs with their text; and the requests a stop string ended — the core
+        then stops those it has not ended, and counts the others as stopped, not as cut
+        at max_tokens. Outputs of a request already ended are dropped."""
         done: list[RequestOutput] = []
         stopped: list[str] = []
         for o in outputs:
@@ -59,7 +60,7 @@ class OutputProcessor:
                 tail, hit = t.stops.feed(t.detok.flush())
                 text += tail if hit else tail + t.stops.flush()
             reason = "stop" if hit else o.finish_reason
-            if hit and o.finish_reason is None:
+            if hit:
                 stopped.append(o.req_id)
             if end:
                 self._texts.pop(o.req_id, None)

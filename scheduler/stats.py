@@ -16,6 +16,7 @@ class FinishedStats:
     queue_s: float | None  # None when it never got scheduled
     max_gap_s: float | None = None  # longest gap between two of its tokens
     kv_wait_s: float = 0.0  # time it waited in the queue while KV kept it out
+    req_id: str = ""
 
 
 @dataclass(slots=True)

@@ -103,8 +103,12 @@ class StepCostModel:
         pays another batch's fixed cost, that the fit has not seen lately (a 2-tile CPU
         step, planned from a fit of sub-tile steps, ran 2.6x its plan)."""
         seen = max(self.largest_rows, 1)
-        bounds = [b for b in (self.tile, *(self.ubatch * k for k in range(1, 65))) if b > seen]
-        return min([2 * seen, *bounds[:1]]) if self.ubatch or self.tile else 2 * seen
+        cap = 2 * seen
+        if self.tile > seen:
+            cap = min(cap, self.tile)
+        if self.ubatch:
+            cap = min(cap, (seen // self.ubatch + 1) * self.ubatch)
+        return cap
 
     def batching_pays(self) -> bool:
         """Does decoding one more sequence in a step cost less than half of decoding it

@@ -300,7 +300,9 @@ def test_a_fit_that_saw_only_short_prompts_does_not_grow_chunks_past_the_target(
             p.observe(step, times[-1])
             depth += n
         assert max(times) <= 0.25, (seed, [round(t, 3) for t in times[:8]])
-        assert len(times) <= 90, (seed, len(times))  # 4,500 tokens at ~63 a step
+        # 4,500 tokens at 40+ a step: the first steps of the long prompt, mispredicted by
+        # the fit the short prompts taught, stay in the margin's window for 200 steps
+        assert len(times) <= 120, (seed, len(times))
 
 
 def test_two_long_prompts_go_first_come_first_served_and_both_finish() -> None:

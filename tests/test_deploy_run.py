@@ -149,14 +149,16 @@ def test_dry_run_prints_every_command_and_starts_nothing(
     log = _stubs(tmp_path, monkeypatch, numactl="exit 0", taskset="exit 0")
     work = tmp_path / "work"
     work.mkdir()
-    env = {**os.environ, "ONEGPU_SYSFS": str(host), "PYTHONPATH": str(ROOT)}
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env |= {"ONEGPU_SYSFS": str(host), "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
         [sys.executable, "-m", "api.cli", "run", "--dry-run", "--gpu", "1", "--model", "m.gguf",
          "--n-ctx", "8192"],
         cwd=work, env=env, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
-    serve = f"{sys.executable} -m api.cli serve"
+    # the server drives GPU 1 alone, numbered as nvidia-smi and --gpu number it
+    serve = f"CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=1 {sys.executable} -m api.cli serve"
     opts = "--host 0.0.0.0 --port 8090 --threads 4 --model m.gguf --n-ctx 8192"
     assert out.stdout.splitlines() == [
         "# GPU 1 (0000:ca:00.0) on NUMA node 1, 4 physical cores",
@@ -167,10 +169,18 @@ def test_dry_run_prints_every_command_and_starts_nothing(
         "# plan, as the server will (a plan that does not fit stops here):",
         f"{serve} --plan-only {opts}",
         "# serve (under the binding that held; shown with the first):",
-        f"numactl --cpunodebind=1 --preferred=1 {serve} {opts}",
+        "CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=1 numactl --cpunodebind=1 "
+        f"--preferred=1 {sys.executable} -m api.cli serve {opts}",
     ]
     assert _calls(log) == []  # no binding was tried, no tool started
     assert list(work.iterdir()) == []  # nothing written
+    # an operator's own CUDA_VISIBLE_DEVICES is left alone
+    env["CUDA_VISIBLE_DEVICES"] = "0"
+    mine = subprocess.run(
+        [sys.executable, "-m", "api.cli", "run", "--dry-run", "--gpu", "1", "--model", "m.gguf"],
+        cwd=work, env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert "CUDA_VISIBLE_DEVICES" not in mine.stdout
 
 
 def answers_then_stops(srv: Server, max_tokens: int) -> None:
@@ -205,6 +215,7 @@ def test_run_binds_plans_and_serves(
     answers_then_stops(srv, 3)
     out = srv.log()
     assert "binding: numactl --cpunodebind=0 --preferred=0 — CPUs and memory on node 0" in out
+    assert "GPU: CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=0" in out
     assert "no GPU: every tensor in RAM" in out  # the plan, checked before serving
     assert _calls(log) == [
         "numactl --cpunodebind=0 --preferred=0 true",

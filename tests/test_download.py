@@ -5,11 +5,13 @@ mismatch, offline, or short of disk; not fetched again when it is in the cache."
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import huggingface_hub.constants
 import pytest
@@ -111,6 +113,28 @@ def test_too_little_disk_is_refused_before_any_byte(
     with pytest.raises(DownloadError, match=r"2 file\(s\) of .* GiB to fetch, 0.0 GiB free"):
         fetch(_src(tmp_path))
     assert hub.gets(FIRST) == [] and hub.gets(SECOND) == []
+
+
+def test_a_broken_transfer_needs_room_only_for_what_is_missing(
+    hub: Hub, parts: dict[str, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Most of both parts arrived before the transfer broke: the disk needs room for the
+    rest only (the check counted whole files before, and refused this fetch)."""
+    blobs = tmp_path / "hub" / f"models--{REPO.replace('/', '--')}" / "blobs"
+    blobs.mkdir(parents=True)
+    for data in parts.values():
+        sha = hashlib.sha256(data).hexdigest()
+        (blobs / f"{sha}.incomplete").write_bytes(data[:-100])
+    real = deploy.download.shutil.disk_usage
+
+    def short(path: str | Path) -> object:  # room for the missing 200 bytes and a little
+        return real(path)._replace(free=1000)
+
+    # (our check alone: the hub client's own one warns, and would on this little room)
+    monkeypatch.setattr(deploy.download, "shutil", SimpleNamespace(disk_usage=short))
+    first = fetch(_src(tmp_path))
+    assert first.read_bytes() == parts[FIRST]
+    assert (first.parent / SECOND).read_bytes() == parts[SECOND]
 
 
 @pytest.mark.e2e

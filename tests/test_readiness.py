@@ -44,6 +44,8 @@ def test_health_says_loading_until_the_model_serves(
         early = client.post("/v1/completions", json={"model": "tiny", "prompt": "a"})
         assert early.status_code == 503
         assert "loading" in early.json()["error"]["message"]
+        scrape = client.get("/metrics")  # Prometheus sees the process up, and loading
+        assert scrape.status_code == 200 and "onegpu_loading 1.0" in scrape.text
         gate.set()
         deadline = time.monotonic() + 60
         while client.get("/health").status_code != 200:  # the load finishing, bounded
@@ -53,6 +55,7 @@ def test_health_says_loading_until_the_model_serves(
             "/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 2}
         )
         assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 2
+        assert "onegpu_loading 0.0" in client.get("/metrics").text
 
 
 def test_a_model_that_does_not_load_ends_the_server_with_an_error(tmp_path: Path) -> None:
