@@ -31,7 +31,10 @@ LLAMA_SRC := $(LLAMA_BUILD)/llama_cpp_python-$(LLAMA_CPP_VERSION)
 PATCHES := $(sort $(wildcard engine/llama_patches/*.patch))
 # The build's stamp names the version and the set of patches: a patch removed or a version
 # changed is a stamp not there, so a rebuild (a patch edited is a newer prerequisite).
-PATCH_SET := $(shell printf '%s\n' $(notdir $(PATCHES)) | cksum | cut -d' ' -f1)
+# ggml's AMX kernels are left out: on VMs whose CPUs advertise AMX they die of SIGILL at
+# their first tile instruction (seen on the 2-core build machine); AVX-512 serves instead.
+LLAMA_CFLAGS := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+PATCH_SET := $(shell printf '%s\n' $(notdir $(PATCHES)) '$(LLAMA_CFLAGS)' | cksum | cut -d' ' -f1)
 LLAMA_STAMP := $(VENV)/.llama-$(GPU)-$(LLAMA_CPP_VERSION)-$(PATCH_SET)
 # Native parts, no link dependency: the expert-telemetry callback (engine/expert_tap.py says
 # why it is C) and the step's decode-and-sample call (engine/native/decode_sample.c). Built on
@@ -66,7 +69,8 @@ $(LLAMA_STAMP): $(PATCHES)
 	rm -rf $(LLAMA_SRC) && tar xzf $(LLAMA_SDIST) -C $(LLAMA_BUILD)
 	for p in $(PATCHES); do patch -p1 -s -d $(LLAMA_SRC)/vendor/llama.cpp < $$p || exit 1; done
 	@echo "building llama-cpp-python $(LLAMA_CPP_VERSION) ($(GPU)); the first build takes ~9 minutes on 2 cores"
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install -q --no-cache-dir --force-reinstall \
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CFLAGS="$(LLAMA_CFLAGS)" CXXFLAGS="$(LLAMA_CFLAGS)" \
+	  $(PY) -m pip install -q --no-cache-dir --force-reinstall \
 	  --no-deps ./$(LLAMA_SRC)
 	rm -f $(VENV)/.llama-*
 	touch $@

@@ -22,6 +22,7 @@ log = logging.getLogger("one-gpu")
 # Measured cost on the H200 (docs/benchmarks.md, "Expert telemetry"): 0.4-1.1% of decode
 # throughput at one step in 200; off (0) attaches nothing.
 DEFAULT_EXPERT_SAMPLE_RATE = 0.005
+N_BATCH, UBATCH = 2048, 512  # default tokens a step submits, rows of a physical batch
 DEFAULT_CACHE_SEQS = 64  # prefix-cache holder ids: conversations kept, running prompts offered
 
 
@@ -35,8 +36,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8090)
     s.add_argument("--n-ctx", type=int, default=16384, help="KV pool size in tokens, all users")
     s.add_argument("--n-seq-max", type=int, default=32, help="most requests decoding at once")
-    s.add_argument("--n-batch", type=int, default=2048, help="most tokens one step submits")
-    s.add_argument("--n-ubatch", type=int, default=512, help="physical batch of llama.cpp")
+    s.add_argument("--n-batch", type=int, default=N_BATCH, help="most tokens one step submits")
+    s.add_argument(
+        "--n-ubatch", type=int, default=None,
+        help="physical batch of llama.cpp (default: 512; --n-batch where routed experts are "
+        "in host RAM and a GPU computes prompts: one copy of them per step)",
+    )  # fmt: skip
     s.add_argument("--max-num-batched-tokens", type=int, help="per-step token budget (<= n-batch)")
     s.add_argument("--max-model-len", type=int, help="per-request context limit")
     s.add_argument(
@@ -157,7 +162,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="serve's --cache-seqs (each id costs a row of logits)")  # fmt: skip
     pl.add_argument("--prompt-logprob-rows", type=int, default=DEFAULT_PROMPT_LOGPROB_ROWS,
                     help="serve's --prompt-logprob-rows")  # fmt: skip
-    pl.add_argument("--n-ubatch", type=int, default=512)
+    pl.add_argument("--n-ubatch", type=int, default=None,
+                    help="serve's --n-ubatch (default: as serve chooses)")  # fmt: skip
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
 
     ex = sub.add_parser("experts", help="a running server's most used experts and hot-set share")
@@ -213,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from api.planning import PlanRequest, plan_model
+    from api.planning import PlanRequest, plan_model, plan_wide
     from engine._capi import llama
     from engine.devices import gpu_memory
     from engine.gguf_meta import read_meta
@@ -226,13 +232,15 @@ def _plan(args: argparse.Namespace) -> int:
         )
         return 2
     opts = PlanOptions(
-        kv_tokens=args.ctx * args.parallel, n_ubatch=args.n_ubatch,
+        kv_tokens=args.ctx * args.parallel, n_ubatch=args.n_ubatch or UBATCH,
         n_outputs=output_rows(args.parallel + max(0, args.cache_seqs), args.prompt_logprob_rows),
         **_margin(args),
     )  # fmt: skip
     req = PlanRequest(vram_budget=args.vram_budget, ram_budget=args.ram_budget, options=opts)
     try:
-        plan = plan_model(read_meta(args.model), req)
+        meta = read_meta(args.model)
+        wide = args.n_ubatch is None  # as serve chooses with its default --n-batch
+        plan = plan_wide(meta, req, N_BATCH) if wide else plan_model(meta, req)
     except PlanDoesNotFit as e:
         sys.stderr.write(f"one-gpu plan: does not fit\n{e}\n")
         return 2
@@ -303,7 +311,7 @@ def serve_settings(args: argparse.Namespace) -> ServerSettings:
         n_seq_max=args.n_seq_max,
         n_cached_seqs=0 if args.no_prefix_cache else max(0, args.cache_seqs),
         n_batch=args.n_batch,
-        n_ubatch=args.n_ubatch,
+        n_ubatch=args.n_ubatch or UBATCH,
         prompt_logprob_rows=max(0, args.prompt_logprob_rows),
         n_threads=args.threads,
         n_threads_batch=args.threads_batch,
@@ -335,7 +343,7 @@ def serve_settings(args: argparse.Namespace) -> ServerSettings:
     )
     req = PlanRequest(vram_budget=args.vram_budget, ram_budget=args.ram_budget, options=opts)
     try:
-        engine, plan = plan_for_serve(engine, req, args.plan)
+        engine, plan = plan_for_serve(engine, req, args.plan, wide_batches=args.n_ubatch is None)
     except (PlanRefused, ValueError) as e:
         log.error("not serving: %s", e)
         sys.exit(2)

@@ -19,6 +19,9 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 LLAMA_CPP_PYTHON = "0.3.36"
+# As the Makefile builds ours: without ggml's AMX kernels, which die of SIGILL on VMs whose
+# CPUs advertise AMX (the same kernels in both servers).
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,8 @@ def _sdist(cache: Path) -> Path:
     """The llama-cpp-python source tarball: a local copy (offline GPU host) or from PyPI."""
     for cand in (
         cache / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz",
-        Path(".gpu/llama-cpp-python-src.tgz"),
+        Path(f".build/llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"),  # the Makefile's
+        Path(".gpu/llama-cpp-python-src.tgz"),  # stripped (no models/templates): GPU host
     ):
         if cand.exists():
             return cand
@@ -69,7 +73,7 @@ def llama_cpp_source(cache: Path) -> Path:
 
 
 def ensure_peers(cache: Path, *, cuda: bool) -> Peers:
-    out = cache / f"peers-{LLAMA_CPP_PYTHON}-{'cuda' if cuda else 'cpu'}"
+    out = cache / f"peers-{LLAMA_CPP_PYTHON}-{'cuda' if cuda else 'cpu'}-noamx"
     peers = Peers(out / "llama-server", out / "llama-batched-bench", out / "llama-perplexity")
     if all(p.exists() for p in (peers.server, peers.batched_bench, peers.perplexity)):
         return peers
@@ -83,6 +87,8 @@ def ensure_peers(cache: Path, *, cuda: bool) -> Peers:
         "-DLLAMA_BUILD_UI=OFF",
         "-DLLAMA_USE_PREBUILT_UI=OFF",
         "-DBUILD_SHARED_LIBS=OFF",
+        f"-DCMAKE_C_FLAGS={NO_AMX}",
+        f"-DCMAKE_CXX_FLAGS={NO_AMX}",
     ]
     if cuda:
         flags += [

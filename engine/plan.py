@@ -357,7 +357,8 @@ def format_plan(plan: Plan) -> str:
     v, r = plan.vram_reserve, plan.ram_reserve
     lines.append(
         f"GPU: weights {_gib(plan.bytes_on('gpu'))} + KV {_gib(v.kv)} "
-        f"({plan.options.kv_tokens} tokens) + compute {_gib(v.compute)} + weight copies "
+        f"({plan.options.kv_tokens} tokens) + compute {_gib(v.compute)} "
+        f"({plan.options.n_ubatch}-row batches) + weight copies "
         f"{_gib(v.copies)} + margin {_gib(v.margin)} = {_gib(plan.vram_used)} of "
         f"{_gib(plan.budgets.vram)} budget"
     )

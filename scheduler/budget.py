@@ -123,8 +123,10 @@ class StallTarget:
             return floor
         self._memo = {}  # _time's, for this grant
         n = self._least_risk(step, n_max, depth)
-        if self.auto and not step.chunks:  # (a later chunk shares a step already sized)
-            n = max(n, self._knee(step, n_max, depth))
+        if self.auto:  # the step carries at least the knee's worth of prompt, shared
+            alone, self._memo = StepDraft(step.n_decode, step.decode_cells), {}
+            n = max(n, self._knee(alone, n_max, depth) - (step.rows - step.n_decode))
+            self._memo = {}
         n = max(n, floor)
         if n > 0 and 0 < rest - n < self.min_chunk and rest <= n_max:
             # No last chunk under the minimum (experts in host RAM are computed on the CPU

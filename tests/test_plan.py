@@ -351,3 +351,62 @@ def test_threads_leave_a_core_to_the_server_when_tensors_run_on_the_cpu(
     assert EngineConfig("m.gguf", cpu_tensors=(CPU_MOE,), n_threads=16).threads() == (16, 16)
     monkeypatch.setattr(config, "default_threads", lambda: 2)
     assert EngineConfig("m.gguf", cpu_tensors=(CPU_MOE,)).threads() == (2, 2)
+
+
+def test_with_experts_in_ram_a_physical_batch_is_a_whole_step_where_it_fits() -> None:
+    """A GPU server copies host-resident experts once per physical batch of a prompt step:
+    with some of them in RAM the plan reserves buffers for batches of a whole step (the
+    server then uses them); with every expert on the GPU it keeps 512 rows, and where
+    wide buffers would not fit it keeps 512 rather than refusing."""
+    from api.planning import PlanRequest, experts_in_ram, plan_wide
+
+    meta = deepseek_like()
+    req = PlanRequest(vram_budget="96GB", ram_budget="280GB", options=REFERENCE_OPTS)
+    hybrid = plan_wide(meta, req, 2048)
+    assert experts_in_ram(hybrid) and hybrid.options.n_ubatch == 2048
+    narrow = make_plan(meta, Budgets(vram=96 * GB, ram=280 * GB), REFERENCE_OPTS)
+    assert hybrid.vram_reserve.compute > narrow.vram_reserve.compute
+    _assert_within(hybrid)
+    assert "2048-row batches" in format_plan(hybrid)
+
+    roomy = PlanRequest(vram_budget="400GB", ram_budget="280GB", options=REFERENCE_OPTS)
+    all_gpu = plan_wide(meta, roomy, 2048)
+    assert not experts_in_ram(all_gpu) and all_gpu.options.n_ubatch == 512
+
+    # room for the 512-row plan's non-expert part and buffers, not for 2.8 GB more
+    gpu = [t for t in narrow.tensors if t.device == "gpu"]
+    experts_on_gpu = sum(t.nbytes for t in gpu if EXPERT.search(t.name))
+    tight = PlanRequest(
+        vram_budget=str(narrow.vram_used - experts_on_gpu + GB), ram_budget="280GB",
+        options=REFERENCE_OPTS,
+    )  # fmt: skip
+    kept = plan_wide(meta, tight, 2048)
+    assert experts_in_ram(kept) and kept.options.n_ubatch == 512
+    _assert_within(kept)
+
+
+def test_serve_widens_physical_batches_only_on_a_gpu_with_experts_placed_in_ram(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--cpu-moe` by hand on a GPU: batches of a whole step; an explicit --n-ubatch, no
+    GPU, or host-RAM tensors that are not experts: unchanged."""
+    import api.planning as planning
+    from engine.config import EngineConfig
+    from engine.placement import CPU_MOE
+
+    class Gpu:
+        def llama_supports_gpu_offload(self) -> bool:
+            return True
+
+    model = str(write_qwen3moe(tmp_path / "m.gguf"))
+    moe = EngineConfig(model_path=model, n_batch=2048, n_ubatch=512, cpu_tensors=(CPU_MOE,))
+    req = planning.PlanRequest()
+    on_cpu, _ = planning.plan_for_serve(moe, req, None, wide_batches=True)
+    assert on_cpu.n_ubatch == 512  # this test machine has no GPU
+    monkeypatch.setattr(planning, "llama", Gpu)
+    wide, _ = planning.plan_for_serve(moe, req, None, wide_batches=True)
+    assert wide.n_ubatch == 2048
+    given, _ = planning.plan_for_serve(moe, req, None, wide_batches=False)
+    assert given.n_ubatch == 512
+    norms = EngineConfig(model_path=model, n_ubatch=512, cpu_tensors=(r"_norm\.",))
+    assert planning.plan_for_serve(norms, req, None, wide_batches=True)[0].n_ubatch == 512
