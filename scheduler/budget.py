@@ -22,11 +22,11 @@ n_max, depth)` per prompt chunk, `observe(step, seconds)` once it ran, `stats()`
   4. The first chunk of a step gets at least `min_chunk` tokens, so prefill always
      progresses (also before any prompt was measured); a step is never larger than the
      model can be trusted with (`StepCostModel.trusted_rows`).
-  5. With the target left to the server (`auto`), a chunk is also never smaller than the
-     knee where prefill runs within EFFICIENCY of its best speed: where any step carrying
-     a prompt pays a large fixed cost (a 2-core CPU, experts in host RAM), a 250 ms target
-     spent most of each step on that cost (a CPU-only server took 23.6 s to a first token
-     where llama-server took 12.1 s).
+  5. Under `auto` (no target given), a step carries at least the knee's worth of prompt,
+     where prefill runs within EFFICIENCY of its best speed (on a 2-core CPU 250 ms steps
+     spent most of their time on fixed costs: first token 23.6 s, llama-server's 12.1 s),
+     cut to SHARE of an unbounded step while within LEAST_EFFICIENT (the CPU's knee grew
+     to 4.5 s steps of 7.4 s unbounded; with experts in RAM no cut is efficient enough).
 
   A step is bounded only when someone waits for it: decoders here, or requests of another
   lane that steps after it. A burst's step is not (every decoder has one token and no
@@ -85,15 +85,16 @@ class StallTarget:
     QUANTILE = 0.995  # the margin covers this share of steps ...
     WINDOW = 200  # ... of the last this many planned steps
     PRIOR = 0.15  # the margin until the window holds 1 / (1 - QUANTILE) steps: ~16%
-    EFFICIENCY = 1.15  # auto: prompt tokens cost at most this much over their best
+    EFFICIENCY = 1.15  # auto: prompt tokens cost at most this much over their best, ...
+    SHARE = 0.25  # ... in steps cut to this share of an unbounded one (or the target) ...
+    LEAST_EFFICIENT = 1.3  # ... while they cost at most this much over their best
 
     def __init__(
         self, cost: StepCostModel, target_s: float, min_chunk: int, step_tokens: int,
         auto: bool = False,
     ) -> None:  # fmt: skip
-        self.cost, self.target, self.min_chunk = cost, target_s, min_chunk
+        self.cost, self.target, self.min_chunk, self.auto = cost, target_s, min_chunk, auto
         self.step_tokens = step_tokens  # the most tokens a step may carry
-        self.auto = auto
         self.correction = 0.0  # log(measured / modelled), weighted to the newest
         self._memo: dict[int, float] = {}  # _time's, for the grant under way
         self.residuals: deque[float] = deque(maxlen=self.WINDOW)
@@ -125,8 +126,12 @@ class StallTarget:
         n = self._least_risk(step, n_max, depth)
         if self.auto:  # the step carries at least the knee's worth of prompt, shared
             alone, self._memo = StepDraft(step.n_decode, step.decode_cells), {}
-            n = max(n, self._knee(alone, n_max, depth) - (step.rows - step.n_decode))
-            self._memo = {}
+            full = self._time(alone, self.step_tokens - alone.rows, depth)  # unbounded step
+            cap = max(self.target, self.SHARE * full) / math.exp(self.correction + self.margin())
+            short = min(self._knee(alone, n_max, depth, self.EFFICIENCY),
+                        self._largest_within(alone, n_max, depth, cap))  # fmt: skip
+            knee = max(short, self._knee(alone, n_max, depth, self.LEAST_EFFICIENT))
+            n, self._memo = max(n, knee - (step.rows - step.n_decode)), {}
         n = max(n, floor)
         if n > 0 and 0 < rest - n < self.min_chunk and rest <= n_max:
             # No last chunk under the minimum (experts in host RAM are computed on the CPU
@@ -141,9 +146,8 @@ class StallTarget:
         """The step's modelled time with an n-token chunk from `depth` added."""
         if n not in self._memo:
             chunks = [*step.chunks, (n, depth)]
-            self._memo[n] = self.cost.step_time(
-                StepDraft(step.n_decode, step.decode_cells, chunks=chunks)
-            )
+            draft = StepDraft(step.n_decode, step.decode_cells, chunks=chunks)
+            self._memo[n] = self.cost.step_time(draft)
         return self._memo[n]
 
     def _ends(self, step: StepDraft, n_max: int) -> list[int]:
@@ -159,15 +163,12 @@ class StallTarget:
     _RANKS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96)
 
     def _least_risk(self, step: StepDraft, n_max: int, depth: int) -> int:
-        """The fastest chunk planned to the QUANTILE — of the chunks within a limit, the one
-        that prefills fastest (on the 2-core CPU a 64-row step, tiled attention, took 1.5x
-        a 63-row one). Unless the floor (decoders, minimum chunk) is itself over the
-        quantile (experts in host RAM: any prompt step copies them to the GPU): its spread
-        then puts steps over whatever the chunk, and the chunk is the one with the fewest
-        expected steps over the target per prompt token (prompt tokens / the share of
-        recent residuals that would put it over): larger chunks for a few percent more step
-        make the prefill, and its steps that can go over, several times fewer (planned to
-        the quantile, an H200 prefill took 32-row chunks and 14x an idle first token)."""
+        """The fastest chunk planned to the QUANTILE: of the chunks within a limit, the one
+        that prefills fastest (on the 2-core CPU a 64-row step, tiled attention, took 1.5x a
+        63-row one). Unless the floor (decoders, minimum chunk) is itself over the quantile
+        (experts in host RAM: any prompt step copies them to the GPU): then the chunk with
+        the fewest expected steps over the target per prompt token (planned to the quantile,
+        an H200 prefill took 32-row chunks and 14x an idle first token)."""
         r, ok = self._residuals(), 1.0 - self.QUANTILE
         floor = 0 if step.chunks else min(self.min_chunk, n_max)
         ends = self._ends(step, n_max)
@@ -204,8 +205,8 @@ class StallTarget:
             lo, hi = (mid, hi) if self._time(step, mid, depth) <= limit else (lo, mid)
         return lo
 
-    def _knee(self, step: StepDraft, n_max: int, depth: int) -> int:
-        """The smallest chunk whose step prefills within EFFICIENCY of the best a step can
+    def _knee(self, step: StepDraft, n_max: int, depth: int, efficiency: float) -> int:
+        """The smallest chunk whose step prefills within `efficiency` of the best a step can
         at this depth (seconds per prompt token, decoders included: they are in every step
         of a prefill; with the experts in host RAM their step is most of it), over every
         step size as modelled, bisected in the first stretch between kernel boundaries
@@ -217,7 +218,7 @@ class StallTarget:
         def per_token(n: int) -> float:
             return self._time(step, n, depth) / n
 
-        bar, lo = self.EFFICIENCY * min(per_token(n) for n in ends), 1
+        bar, lo = efficiency * min(per_token(n) for n in ends), 1
         trusted = self.cost.trusted_rows() - step.rows
         for hi in ends:
             if per_token(hi) <= bar:

@@ -225,7 +225,7 @@ class EngineLoop:
         stats.step_s = schedule_s + p3 - p1
         if stats.stall_target_s is not None and stats.step_s > stats.stall_target_s:
             self._log_over_target(stats, p2 - p1)
-        elif stats.stall_target_s is not None and log.isEnabledFor(logging.DEBUG):
+        elif stats.step_shape[1] and log.isEnabledFor(logging.DEBUG):  # auto's steps too
             log.debug(
                 "planned step: %.1f ms (engine %.1f ms, modelled %.1f ms; %d decode tokens, "
                 "prompt chunks %s as (tokens, KV depth); policy %s)",

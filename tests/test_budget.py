@@ -105,9 +105,10 @@ class Run:
 
 
 def run_scenario(
-    target: float | None, machine: Machine, ubatch: int = 0, tile: int = 0, auto: bool = False
-) -> Run:
-    """4 users decode while a 20,000-token prompt arrives (at step 20)."""
+    target: float | None, machine: Machine, ubatch: int = 0, tile: int = 0, auto: bool = False,
+    prompt: int = 20_000,
+) -> Run:  # fmt: skip
+    """4 users decode while a `prompt`-token prompt arrives (at step 20)."""
     sched = Scheduler(
         SchedulerConfig(max_num_seqs=8, kv_capacity=40000, max_num_batched_tokens=2048,
                         max_stall_s=target, min_prefill_chunk=32, ubatch=ubatch,
@@ -121,7 +122,7 @@ def run_scenario(
     run = Run([], [], -1)
     for step in range(3000):
         if step == 20:
-            sched.add(make_request("long", [7] * 20_000, 1, arrival=now))
+            sched.add(make_request("long", [7] * prompt, 1, arrival=now))
         out = sched.schedule(now)
         res = fake.step(out.batch)
         res.decode_s = machine(out.batch)
@@ -432,3 +433,34 @@ def test_with_the_default_target_two_prompts_share_the_knee_not_double_it() -> N
         return worst
 
     assert worst_step(2) <= 1.15 * worst_step(1), (worst_step(2), worst_step(1))
+
+
+def cpu_deep(batch: StepBatch) -> float:
+    """The 2-core CPU's costs as fitted over an 8K prompt: 50 ms a step, 25 ms per decode
+    token, 2.15 ms per prompt token plus 0.17 µs per KV cell it attends, and 40 µs per
+    cell of depth once per chunk (what every prompt chunk pays for the KV behind it)."""
+    t = 0.05
+    for c in batch.chunks:
+        n = len(c.tokens)
+        t += 0.025 if c.seq_id < 4 else n * (0.00215 + 1.66e-7 * (c.pos0 + n / 2)) + 4e-5 * c.pos0
+    return t
+
+
+def test_with_the_default_target_a_cpu_pauses_a_quarter_of_an_unbounded_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a CPU every prompt chunk pays for the KV behind it, so the knee grows with depth
+    (to 0.29 of an unbounded step for an 8K prompt here): `auto` cuts steps to a quarter of
+    an unbounded one (llama-server's, which prefills unbounded), and the cut costs the
+    prompt little (it never takes a step below LEAST_EFFICIENT)."""
+
+    def prefill(run: Run) -> list[float]:
+        return run.times[20 : 21 + run.steps_to_first]
+
+    unbounded = prefill(run_scenario(None, cpu_deep, prompt=8192))
+    auto = prefill(run_scenario(0.25, cpu_deep, auto=True, prompt=8192))
+    monkeypatch.setattr(StallTarget, "SHARE", 1.0)
+    uncut = prefill(run_scenario(0.25, cpu_deep, auto=True, prompt=8192))
+    assert max(uncut) > 0.25 * max(unbounded)  # (the knee alone: the case the cut is for)
+    assert max(auto) <= 0.25 * max(unbounded), (max(auto), max(unbounded))
+    assert sum(auto) <= 1.05 * sum(uncut), (sum(auto), sum(uncut))
