@@ -1,0 +1,90 @@
+"""The routed-expert cache of our llama.cpp patch 0002, through ctypes.
+
+For a context whose expert tensors live in host RAM (`--cpu-moe`, or a plan that leaves
+layers there), the patch keeps a small bank of expert slices on a device — the GPU, or the
+CPU for tests — and computes each routed pick from the bank when its expert is there and
+from host RAM otherwise: two chains of the expert FFN whose ids are remapped (a slot in the
+bank, else a zero pad slot; the expert, else -1 = a zero row, patch 0001), added. Each pick
+is computed by exactly one of them, so the output is the uncached one bit for bit on the
+CPU. After each small batch the routed ids are read back, a per-layer LRU uploads at most
+`max_uploads` missed experts a layer, and the next batch reads them from the bank. Batches
+of more than `max_tokens` tokens (prompts) take llama.cpp's usual path.
+
+llama-cpp-python does not know these functions: they are bound here, on the library
+`engine._capi` loaded. Scalar arguments only, so `llama_context_params` keeps its layout.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+from engine._capi import llama
+
+
+class ExpertCacheError(Exception):
+    """The cache could not be configured as asked (unknown device, no memory)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    hits: int  # routed picks served from the bank
+    misses: int  # routed picks computed where the expert lives
+    uploads: int  # expert slices copied into the bank
+    upload_bytes: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / max(1, self.hits + self.misses)
+
+
+@functools.cache
+def _lib() -> Any:
+    """llama.cpp's library with the cache's four functions declared (AttributeError on a
+    library built without patch 0002)."""
+    lib = llama()._lib
+    vp, i32, i64p = ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int64)
+    lib.llama_moe_cache_configure.argtypes = [vp, i32, i32, i32, ctypes.c_char_p]
+    lib.llama_moe_cache_configure.restype = i32
+    lib.llama_moe_cache_get_stats.argtypes = [vp, i64p, i64p, i64p, i64p]
+    lib.llama_moe_cache_get_stats.restype = None
+    lib.llama_moe_cache_reset_stats.argtypes = [vp]
+    lib.llama_moe_cache_reset_stats.restype = None
+    lib.llama_moe_cache_pin.argtypes = [vp, i32, i32]
+    lib.llama_moe_cache_pin.restype = i32
+    return lib
+
+
+def configure(
+    ctx: Any, slots: int, *, max_uploads: int, max_tokens: int, device: str | None = None
+) -> int:
+    """Size the cache of `ctx` (`slots` experts a layer; 0 = off) and return the layers it
+    covers (0: none has its experts in plain host buffers). `device`: "CUDA0", "CPU", or
+    None for the context's first GPU. Must not run during a decode."""
+    dev = device.encode() if device is not None else None
+    n = int(_lib().llama_moe_cache_configure(ctx, slots, max_uploads, max_tokens, dev))
+    if n == -1:
+        raise ExpertCacheError(f"no device {device!r} among this context's backends")
+    if n < 0:
+        raise ExpertCacheError(f"could not allocate {slots} expert slots a layer on {device}")
+    return n
+
+
+def pin(ctx: Any, layer: int, expert: int) -> None:
+    """Upload one expert now and keep it until the next `configure`."""
+    rc = int(_lib().llama_moe_cache_pin(ctx, layer, expert))
+    if rc != 0:
+        why = "every slot is pinned" if rc == -2 else "no such layer or expert, or cache off"
+        raise ExpertCacheError(f"cannot pin expert {expert} of layer {layer}: {why}")
+
+
+def stats(ctx: Any) -> CacheStats:
+    v = [ctypes.c_int64() for _ in range(4)]
+    _lib().llama_moe_cache_get_stats(ctx, *(ctypes.byref(x) for x in v))
+    return CacheStats(*(x.value for x in v))
+
+
+def reset_stats(ctx: Any) -> None:
+    _lib().llama_moe_cache_reset_stats(ctx)

@@ -1,0 +1,190 @@
+"""Patch 0002, the routed-expert cache (`engine.moe_cache`), on the library this checkout
+runs. There is no GPU here: the cache's bank goes on the CPU device, which runs the same
+graph a CUDA bank would (ids remapped to slots or per-position zero pads, -1 ids for the
+host chain, the two chains added).
+
+The model is a tiny random qwen3moe, 3 layers of 8 experts (3 used a token), with its expert
+tensors in host RAM as `--cpu-moe` places them. The answers with the cache on must equal
+those with it off: each pick is computed by exactly one chain (the other gives an exact zero
+row), a bank slot is a byte copy of the host slice, and the CPU's dot products do not depend
+on which other rows share the matmul, so the same float operations run in the same order —
+TOL only leaves room for kernels that tile by row count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from engine import moe_cache
+from engine._capi import llama
+from engine.placement import CPU_MOE, CpuOverrides
+from tests.tiny_gguf import Shape, write_qwen3moe
+
+SHAPE = Shape(n_layer=3, n_embd=64, n_expert=8, n_expert_used=3, n_ff_exp=32)
+TOL = 1e-4
+PROMPTS = [
+    "the capital of france is paris and the",
+    "hello world, how are you",
+    "water is a very good thing to have in a house near the earth",
+    "one two three",
+]
+
+
+class Tiny:
+    """The model and its raw llama.cpp handles (a context per test)."""
+
+    def __init__(self, path: Path, weight_bytes: int) -> None:
+        self.expert_bytes = 3 * SHAPE.n_embd * SHAPE.n_ff_exp * weight_bytes  # gate, up, down
+        self.ll = ll = llama()
+        overrides = CpuOverrides(ll, [CPU_MOE])
+        mp = ll.llama_model_default_params()
+        mp.tensor_buft_overrides = overrides.pointer
+        self.model = ll.llama_model_load_from_file(str(path).encode(), mp)
+        assert self.model, "model load failed"
+        self.vocab = ll.llama_model_get_vocab(self.model)
+        self.n_vocab = ll.llama_vocab_n_tokens(self.vocab)
+
+    def context(self) -> Any:
+        cp = self.ll.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = 1024, 256, 256, 1
+        cp.n_threads = cp.n_threads_batch = 2
+        ctx = self.ll.llama_init_from_model(self.model, cp)
+        assert ctx
+        return ctx
+
+    def tokenize(self, text: str) -> list[int]:
+        raw = text.encode()
+        buf = (self.ll.llama_token * 512)()
+        n = self.ll.llama_tokenize(self.vocab, raw, len(raw), buf, 512, True, False)
+        assert n > 0
+        return list(buf[:n])
+
+    def decode(self, ctx: Any, toks: list[int]) -> np.ndarray:
+        """The last row's logits after `toks`."""
+        arr = (self.ll.llama_token * len(toks))(*toks)
+        assert self.ll.llama_decode(ctx, self.ll.llama_batch_get_one(arr, len(toks))) == 0
+        row = self.ll.llama_get_logits_ith(ctx, -1)
+        return np.ctypeslib.as_array(row, shape=(self.n_vocab,)).copy()
+
+    def generate(
+        self, ctx: Any, prompt: list[int], n: int, chunk: int
+    ) -> tuple[list[int], np.ndarray]:
+        """Greedy: the prompt in chunks of `chunk` tokens (small enough for the cache too),
+        then n one-token steps; the tokens and every step's logits."""
+        self.ll.llama_memory_clear(self.ll.llama_get_memory(ctx), True)
+        for i in range(0, len(prompt), chunk):
+            logits = self.decode(ctx, prompt[i : i + chunk])
+        out, rows = [], [logits]
+        for _ in range(n):
+            out.append(int(np.argmax(logits)))
+            logits = self.decode(ctx, [out[-1]])
+            rows.append(logits)
+        return out, np.stack(rows)
+
+
+def picks(n_tokens: int) -> int:
+    """Routed picks of a batch with one output row (the last layer computes only it)."""
+    return ((SHAPE.n_layer - 1) * n_tokens + 1) * SHAPE.n_expert_used
+
+
+@pytest.fixture(scope="module", params=["f32", "f16"])
+def tiny(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Tiny]:
+    path = write_qwen3moe(
+        tmp_path_factory.mktemp("moe") / f"moe-{request.param}.gguf",
+        shape=SHAPE, wtype=request.param, seed=3,
+    )  # fmt: skip
+    m = Tiny(path, 4 if request.param == "f32" else 2)
+    yield m
+    m.ll.llama_model_free(m.model)
+
+
+def test_the_cache_counts_every_small_batch_pick_and_uploads_what_missed(tiny: Tiny) -> None:
+    ctx = tiny.context()
+    try:
+        with pytest.raises(moe_cache.ExpertCacheError):
+            moe_cache.configure(ctx, 3, max_uploads=2, max_tokens=8, device="NOPE")
+        assert moe_cache.configure(ctx, 3, max_uploads=2, max_tokens=8, device="CPU") == 3
+        prompt = tiny.tokenize(PROMPTS[2])
+        assert len(prompt) > 8
+        logits = tiny.decode(ctx, prompt)  # over max_tokens: llama.cpp's usual path
+        assert moe_cache.stats(ctx) == moe_cache.CacheStats(0, 0, 0, 0)
+        for _ in range(40):
+            logits = tiny.decode(ctx, [int(np.argmax(logits))])
+        s = moe_cache.stats(ctx)
+        assert s.hits + s.misses == 40 * SHAPE.n_layer * SHAPE.n_expert_used
+        assert s.hits > 0 and s.uploads > 0
+        assert s.upload_bytes == s.uploads * tiny.expert_bytes
+        # a decode graph with the cache on is still reused from step to step
+        assert tiny.ll.llama_perf_context(ctx).n_reused >= 38
+        moe_cache.reset_stats(ctx)
+        assert moe_cache.stats(ctx).hits == 0
+        # every expert of layer 0 pinned: uploaded at once
+        assert moe_cache.configure(ctx, 8, max_uploads=2, max_tokens=8, device="CPU") == 3
+        for e in range(SHAPE.n_expert):
+            moe_cache.pin(ctx, 0, e)
+        with pytest.raises(moe_cache.ExpertCacheError):
+            moe_cache.pin(ctx, SHAPE.n_layer, 0)
+        assert moe_cache.stats(ctx).uploads == SHAPE.n_expert
+        assert moe_cache.configure(ctx, 0, max_uploads=0, max_tokens=0, device="CPU") == 0
+        tiny.decode(ctx, [5])
+        assert moe_cache.stats(ctx) == moe_cache.CacheStats(0, 0, 0, 0)
+    finally:
+        tiny.ll.llama_free(ctx)
+
+
+def test_a_batch_over_max_tokens_takes_llama_cpp_s_usual_path(tiny: Tiny) -> None:
+    ctx = tiny.context()
+    try:
+        assert moe_cache.configure(ctx, 2, max_uploads=2, max_tokens=4, device="CPU") == 3
+        toks = tiny.tokenize(PROMPTS[2])
+        tiny.decode(ctx, toks[:5])
+        assert moe_cache.stats(ctx).hits + moe_cache.stats(ctx).misses == 0
+        tiny.decode(ctx, toks[5:9])
+        s = moe_cache.stats(ctx)
+        assert s.hits + s.misses == picks(4)
+        tiny.decode(ctx, toks[9:])
+        assert moe_cache.stats(ctx) == s
+    finally:
+        tiny.ll.llama_free(ctx)
+
+
+@pytest.mark.parametrize(
+    ("slots", "uploads", "pin_all"), [(1, 1, False), (3, 2, False), (8, 2, False), (8, 0, True)]
+)
+def test_answers_with_the_cache_equal_answers_without_it(
+    tiny: Tiny, slots: int, uploads: int, pin_all: bool
+) -> None:
+    """Greedy tokens and every step's logits, four prompts of 64 tokens, prompts fed in
+    4-token chunks so that batches of several tokens (several pad slots a row) go through
+    the cache too; one slot, a few, all learned by LRU, all pinned."""
+    ctx = tiny.context()
+    try:
+        prompts = [tiny.tokenize(p) for p in PROMPTS]
+        without = [tiny.generate(ctx, p, 64, 4) for p in prompts]
+        assert moe_cache.configure(ctx, slots, max_uploads=uploads, max_tokens=8, device="CPU") == 3
+        if pin_all:
+            for layer in range(SHAPE.n_layer):
+                for e in range(SHAPE.n_expert):
+                    moe_cache.pin(ctx, layer, e)
+            moe_cache.reset_stats(ctx)
+        for p, (toks0, rows0) in zip(prompts, without, strict=True):
+            toks, rows = tiny.generate(ctx, p, 64, 4)
+            assert toks == toks0
+            assert float(np.max(np.abs(rows - rows0))) <= TOL
+        s = moe_cache.stats(ctx)
+        assert s.hits + s.misses == sum(
+            sum(picks(len(p[i : i + 4])) for i in range(0, len(p), 4)) + 64 * picks(1)
+            for p in prompts
+        )
+        assert s.hits > 0
+        if pin_all:
+            assert s.misses == 0 and s.uploads == 0
+    finally:
+        tiny.ll.llama_free(ctx)
