@@ -159,8 +159,7 @@ def _check_saved(
             f"tensors are missing from the model or differ in size (the model has {len(sizes)})"
         )
     have = budgets(req)
-    in_ram = any(expert_layer(t.name) >= 0 and t.device == "ram" for t in plan.tensors)
-    vram, ram = reserves(meta, req.options, have.ram, experts_in_ram=in_ram)
+    vram, ram = reserves(meta, req.options, have.ram, experts_in_ram=experts_in_ram(plan))
     need_vram = plan.bytes_on("gpu") + vram.total
     need_ram = plan.bytes_on("ram") + ram.total
     # No GPU and no budget (vram 0): the loader keeps everything in RAM whatever the plan.

@@ -14,9 +14,9 @@
 #   structured (issue 21: bench.mask_time, bench.constrained all-GPU), native (engine alone, greedy and
 #   typical, 1/8/32 sequences: the native decode-and-sample step), deploy-run (deploy/run.sh end
 #   to end: dry run, serve, a request), stall24 (both stalls, ours at 250 ms), multiturn-cpumoe
-#   (the chat with experts in RAM, our default target), multiturn-gpu (the all-GPU half of
-#   multiturn), ubatch-ab (experts in RAM: physical batches of 512 and 2048 rows). At the end every result file is
-#   concatenated into RESULTS/all.txt: the device returns only a few files.
+#   (the chat with experts in RAM, our default target), ubatch-ab (experts in RAM: physical
+#   batches of 512 and 2048 rows). At the end every result file is concatenated into
+#   RESULTS/all.txt: the device returns only a few files.
 set -uo pipefail
 W=${1:?WORKDIR}; R=${2:?RESULTS}; shift 2
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(engine compare stall repro stall-cpumoe)
@@ -123,10 +123,6 @@ for s in "${steps[@]}"; do
       run multiturn-cpumoe python3 -m bench.multiturn --gpu --cpu-moe --peer-bin "$PEER_BIN" \
         --model "$MODEL" --n-ctx 139264 --peer-args "--cache-ram 0" --scenario chat \
         --scenario-timeout 240 --json "$R/multiturn-cpumoe.json" ;;
-    multiturn-gpu)  # issue 20 all on the GPU, both scenarios
-      run multiturn python3 -m bench.multiturn --gpu --peer-bin "$PEER_BIN" --model "$MODEL" \
-        --n-ctx 139264 --peer-args "--cache-ram 0" --scenario-timeout 150 \
-        --json "$R/multiturn.json" ;;
     ubatch-ab)  # experts in RAM: ours with 512-row physical batches (the old default), then
       # both servers with 2048-row ones (llama-server given the batches ours chooses)
       run multiturn-cpumoe-ub512 python3 -m bench.multiturn --gpu --cpu-moe --model "$MODEL" \

@@ -128,9 +128,9 @@ class StallTarget:
             alone, self._memo = StepDraft(step.n_decode, step.decode_cells), {}
             full = self._time(alone, self.step_tokens - alone.rows, depth)  # unbounded step
             cap = max(self.target, self.SHARE * full) / math.exp(self.correction + self.margin())
-            short = min(self._knee(alone, n_max, depth, self.EFFICIENCY),
-                        self._largest_within(alone, n_max, depth, cap))  # fmt: skip
-            knee = max(short, self._knee(alone, n_max, depth, self.LEAST_EFFICIENT))
+            knee = self._knee(alone, n_max, depth, self.EFFICIENCY)
+            if (cut := self._largest_within(alone, n_max, depth, cap)) < knee:  # no further
+                knee = max(cut, self._knee(alone, n_max, depth, self.LEAST_EFFICIENT))
             n, self._memo = max(n, knee - (step.rows - step.n_decode)), {}
         n = max(n, floor)
         if n > 0 and 0 < rest - n < self.min_chunk and rest <= n_max:
