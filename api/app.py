@@ -4,6 +4,7 @@ loads the model, starts the engine loop and drains it on shutdown."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -25,6 +26,7 @@ from api.errors import (
     error_response,
     handle_api_error,
 )
+from api.experts import expert_counts as expert_counts_route
 from api.experts import experts as experts_route
 from api.http_status import StatusCounter
 from api.http_status import count as count_status
@@ -36,6 +38,7 @@ from api.reasoning import template_reasons
 from api.state import ServerSettings, ServerState, server_state
 from api.tool_calls import detect as detect_tool_format
 from api.tool_calls import renders_tools
+from engine import moe_cache
 from engine.chat_template import ChatTemplate
 from engine.expert_telemetry import ExpertTelemetry
 from engine.model import Model
@@ -113,6 +116,12 @@ def _state(
     if model.tap is not None and placement.experts is not None:
         experts = ExpertTelemetry(model.tap, placement.experts)
         metrics.add_expert_telemetry(experts.report)
+    if model.expert_cache_layers:
+        # (read at scrape time from the event loop: four counters the engine thread bumps)
+        metrics.add_expert_cache(
+            functools.partial(moe_cache.stats, model.main.ctx),
+            settings.engine.expert_cache_slots, model.expert_cache_layers,
+        )  # fmt: skip
     loop = EngineLoop(scheduler, engines[0].step, on_stats=metrics.observe)
     repro_len = 0
     if len(engines) > 1:
@@ -246,6 +255,7 @@ def build_app(settings: ServerSettings) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/experts", experts_route, methods=["GET"]),
+        Route("/experts/counts", expert_counts_route, methods=["GET"]),
         Route("/openapi.json", openapi_json, methods=["GET"]),
     ]
     app = Starlette(

@@ -8,12 +8,13 @@ import argparse
 import logging
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from api.tool_calls import FORMATS as TOOL_FORMATS
 from engine.config import DEFAULT_PROMPT_LOGPROB_ROWS, EngineConfig
 from engine.model import KV_PAD_CELLS
 from engine.placement import CPU_MOE
+from engine.plan import AUTO
 
 if TYPE_CHECKING:
     from api.state import ServerSettings
@@ -76,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
         "--expert-sample-rate", type=float, default=DEFAULT_EXPERT_SAMPLE_RATE,
         help="share of steps whose MoE router choices are counted (0 = off, costs nothing)",
     )  # fmt: skip
+    s.add_argument("--expert-cache-uploads", type=int, default=1, metavar="N",
+                   help="experts a cached layer uploads after a step at most")  # fmt: skip
     s.add_argument(
         "--device-greedy", choices=["auto", "on", "off"], default="off",
         help="sample plain greedy requests inside the graph (auto: when on a GPU; "
@@ -170,6 +173,8 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--url", default="http://127.0.0.1:8090")
     ex.add_argument("--top", type=int, default=20)
     ex.add_argument("--json", action="store_true")
+    ex.add_argument("--save-counts", type=Path, metavar="FILE",
+                    help="save the pick counts too, for `--pick-counts FILE`")  # fmt: skip
     return p
 
 
@@ -185,6 +190,42 @@ def _plan_options(p: argparse.ArgumentParser) -> None:
         help="VRAM kept for the CUDA context and allocator beyond the modelled buffers "
         "(default 384MiB, measured on an H200 with CUDA 13)",
     )  # fmt: skip
+    p.add_argument(
+        "--expert-cache-slots", type=_slots, default=AUTO, metavar="N|auto",
+        help="experts a layer the GPU caches for layers whose experts are in host RAM (auto: "
+        "the plan splits the experts' VRAM between whole layers and slots; 0 = off)",
+    )  # fmt: skip
+    p.add_argument(
+        "--pick-counts", type=Path, metavar="FILE",
+        help="router pick counts (`one-gpu experts --save-counts`) the plan sizes the cache "
+        "for (default: uniform routing, the worst case)",
+    )  # fmt: skip
+
+
+def _slots(text: str) -> int:
+    if text == "auto":
+        return AUTO
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a number of slots (N >= 0, or auto)")
+    return n
+
+
+def _cache_options(args: argparse.Namespace) -> dict[str, Any]:
+    """PlanOptions' keywords for the routed-expert cache (exits 2 on unreadable counts)."""
+    from engine.expert_split import load_picks
+
+    if args.pick_counts is None:
+        return {"cache_slots": args.expert_cache_slots}
+    try:
+        picks = load_picks(args.pick_counts.read_bytes())
+    except (OSError, ValueError) as e:
+        sys.stderr.write(f"one-gpu: cannot read --pick-counts {args.pick_counts}: {e}\n")
+        sys.exit(2)
+    return {"cache_slots": args.expert_cache_slots, "picks": picks}
 
 
 def _size(text: str) -> int:
@@ -196,7 +237,7 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _margin(args: argparse.Namespace) -> dict[str, int]:
+def _margin(args: argparse.Namespace) -> dict[str, Any]:
     """PlanOptions' keyword for --vram-margin when given (else the planner's default)."""
     return {} if args.vram_margin is None else {"vram_margin": args.vram_margin}
 
@@ -234,7 +275,7 @@ def _plan(args: argparse.Namespace) -> int:
     opts = PlanOptions(
         kv_tokens=args.ctx * args.parallel, n_ubatch=args.n_ubatch or UBATCH,
         n_outputs=output_rows(args.parallel + max(0, args.cache_seqs), args.prompt_logprob_rows),
-        **_margin(args),
+        **_margin(args), **_cache_options(args),
     )  # fmt: skip
     req = PlanRequest(vram_budget=args.vram_budget, ram_budget=args.ram_budget, options=opts)
     try:
@@ -255,10 +296,12 @@ def _experts(args: argparse.Namespace) -> int:
     import json
     import urllib.error
 
-    from api.experts_client import fetch_report, format_report, report_json
+    from api.experts_client import fetch_counts, fetch_report, format_report, report_json
 
     try:
         r = fetch_report(args.url, args.top)
+        if args.save_counts is not None:
+            args.save_counts.write_bytes(fetch_counts(args.url))
     except urllib.error.HTTPError as e:  # the server's OpenAI-style error says why
         try:
             why = json.loads(e.read())["error"]["message"]
@@ -320,6 +363,10 @@ def serve_settings(args: argparse.Namespace) -> ServerSettings:
         device_greedy={"auto": None, "on": True, "off": False}[args.device_greedy],
         cpu_tensors=tuple(args.cpu_experts) + ((CPU_MOE,) if args.cpu_moe else ()),
         expert_sample_rate=args.expert_sample_rate,
+        # a number: that many slots even without a plan (placement by hand, or no GPU: a
+        # cache on the CPU, for tests); auto: as the plan splits the experts' VRAM
+        expert_cache_slots=max(0, args.expert_cache_slots),
+        expert_cache_uploads=args.expert_cache_uploads,
         use_mmap=not args.no_mmap,
     )
     lanes = LaneOptions(
@@ -340,6 +387,7 @@ def serve_settings(args: argparse.Namespace) -> ServerSettings:
             max(engine.n_seq_max + engine.n_cached_seqs, lanes.slots), engine.prompt_logprob_rows
         ),
         **_margin(args),
+        **_cache_options(args),
     )
     req = PlanRequest(vram_budget=args.vram_budget, ram_budget=args.ram_budget, options=opts)
     try:

@@ -16,6 +16,12 @@ def fetch_report(url: str, top: int) -> ExpertReport:
         return msgspec.json.decode(resp.read(), type=ExpertReport)
 
 
+def fetch_counts(url: str) -> bytes:
+    """GET a server's /experts/counts (the JSON `--pick-counts` reads)."""
+    with urllib.request.urlopen(f"{url.rstrip('/')}/experts/counts", timeout=30) as resp:
+        return bytes(resp.read())
+
+
 def format_report(r: ExpertReport) -> str:
     """Shares first, then the most picked experts."""
     gib = r.gpu_expert_bytes / 2**30

@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from engine.expert_stats import ExpertReport
+from engine.moe_cache import CacheStats
 from scheduler.stats import FAST, StepStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -247,6 +248,14 @@ class Metrics:
         """Expert pick counters, read from `source` at each scrape (engine.expert_tap)."""
         self.registry.register(_ExpertCollector(source))
 
+    def add_expert_cache(self, source: Callable[[], CacheStats], slots: int, layers: int) -> None:
+        """The routed-expert cache's counters, read from `source` at each scrape."""
+        self.registry.register(_CacheCollector(source))
+        Gauge("onegpu_expert_cache_slots", "Experts a layer the routed-expert cache holds",
+              registry=self.registry).set(slots)  # fmt: skip
+        Gauge("onegpu_expert_cache_layers", "Layers in host RAM the routed-expert cache covers",
+              registry=self.registry).set(layers)  # fmt: skip
+
     def _by_lane(self, kind: Any, lanes: tuple[str, ...]) -> Any:
         """A maker of `kind` families labelled by lane, each lane's series there at zero."""
 
@@ -378,4 +387,33 @@ class _ExpertCollector:
         yield CounterMetricFamily(
             "onegpu_expert_sampled_steps", "Steps whose router choices were read",
             value=r.sampled_steps,
+        )  # fmt: skip
+
+
+class _CacheCollector:
+    """The routed-expert cache's counters (engine.moe_cache) as series, at scrape time."""
+
+    def __init__(self, source: Callable[[], CacheStats]) -> None:
+        self.source = source
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        st = self.source()
+        picks = CounterMetricFamily(
+            "onegpu_expert_cache_picks",
+            "Routed picks of cached layers in small batches: served from the GPU's cache (hit) "
+            "or from host RAM (miss)",
+            labels=["result"],
+        )
+        picks.add_metric(["hit"], st.hits)
+        picks.add_metric(["miss"], st.misses)
+        yield picks
+        yield CounterMetricFamily(
+            "onegpu_expert_cache_uploads", "Experts copied into the cache", value=st.uploads
+        )
+        yield CounterMetricFamily(
+            "onegpu_expert_cache_upload_bytes", "Bytes copied into the cache",
+            value=st.upload_bytes,
         )  # fmt: skip

@@ -129,6 +129,10 @@ def plan_for_serve(
             raise PlanRefused(str(e)) from e
         if plan.options.n_ubatch != req.options.n_ubatch:
             cfg = _wide(cfg)
+    if plan.split is not None:
+        cfg = replace(cfg, expert_cache_slots=plan.split.slots)
+        log.info("routed-expert cache: %d slots in each of %d layers in host RAM",
+                 plan.split.slots, len(plan.split.cached))  # fmt: skip
     log.info("placement plan: %d tensors in host RAM", sum(t.device == "ram" for t in plan.tensors))
     return replace(cfg, cpu_tensors=cpu_patterns(plan)), plan
 

@@ -54,6 +54,12 @@ class EngineConfig:
     # Share of steps whose MoE router choices are read back (engine.expert_tap); 0 = off,
     # and off attaches nothing to the context.
     expert_sample_rate: float = 0.0
+    # The routed-expert cache (patch 0002, engine.moe_cache) of the shared lane's context:
+    # experts a layer kept on the GPU (the CPU where there is none) for the layers whose
+    # experts are in host RAM (0 = off), and the most a layer uploads after a step. The
+    # reproducible lane's context never has one: its numerics must not follow the traffic.
+    expert_cache_slots: int = 0
+    expert_cache_uploads: int = 1
     # Map the file (llama.cpp's default) or read it into memory. Read, the tensors kept in
     # host RAM can be repacked for the CPU's matmul kernels (llama.cpp warns that overrides
     # to the CPU with mmap cost speed); mapped, they are shared with the page cache.

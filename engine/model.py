@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from engine import moe_cache
 from engine._capi import llama
 from engine.config import EngineConfig
 from engine.context import LLAMA_MAX_SEQ, Context
@@ -71,7 +72,10 @@ class Model:
                 device_greedy=self._device_greedy(), tap=self.tap,
                 swa_full=self.n_cached_seqs > 0 and self.n_swa > 0,
             )  # fmt: skip
+            self.expert_cache_layers = self._expert_cache()
         except ModelLoadError:
+            for c in self.contexts:
+                c.close()
             ll.llama_model_free(self.model)
             raise
         self.n_ctx: int = self.main.n_ctx
@@ -210,6 +214,23 @@ class Model:
             self.ll, n_layer=self.n_layer, n_expert=self.n_expert, n_ubatch=self.cfg.n_ubatch,
             rate=rate,
         )  # fmt: skip
+
+    def _expert_cache(self) -> int:
+        """Configure the shared lane's routed-expert cache; the layers it covers."""
+        cfg = self.cfg
+        if cfg.expert_cache_slots <= 0 or self.n_expert == 0:
+            return 0
+        gpu = cfg.n_gpu_layers != 0 and bool(self.ll.llama_supports_gpu_offload())
+        try:
+            n = moe_cache.configure(
+                self.main.ctx, cfg.expert_cache_slots, max_uploads=cfg.expert_cache_uploads,
+                max_tokens=cfg.n_seq_max, device=None if gpu else "CPU",
+            )  # fmt: skip
+        except moe_cache.ExpertCacheError as e:
+            raise ModelLoadError(f"routed-expert cache: {e}") from e
+        if n == 0:
+            log.info("routed-expert cache: no layer has its experts in plain host RAM; off")
+        return n
 
     def step_geometry(self) -> tuple[int, int]:
         """(physical batch, attention tile): where a step's cost jumps. llama.cpp runs a

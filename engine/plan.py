@@ -35,11 +35,13 @@ from typing import Literal
 
 import msgspec
 
+from engine.expert_split import ExpertSplit, PickModel, split_experts
 from engine.gguf_meta import ModelMeta, TensorInfo
 
 Device = Literal["gpu", "ram"]
 GiB = 1 << 30
 MiB = 1 << 20
+AUTO = -1  # PlanOptions.cache_slots: as many as serve the most picks
 
 # llama.cpp's --cpu-moe pattern (common/arg.cpp), anchored: every routed expert tensor.
 _EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(up|down|gate|gate_up)_(ch|)exps\.")
@@ -73,6 +75,12 @@ class PlanOptions(msgspec.Struct, frozen=True):
     # fitting keeps 1 GiB free); `--vram-margin` sets it.
     vram_margin: int = 384 * MiB
     ram_margin: int = 4 * GiB  # the process, Python, page-cache churn (at most 5% of RAM)
+    # With experts in host RAM, split their VRAM between whole layers and a cache of single
+    # experts (engine.expert_split) under this pick model (None: uniform routing): AUTO
+    # slots a layer as the split decides, N exactly N, 0 no cache (whole layers, then
+    # single tensors).
+    cache_slots: int = 0
+    picks: PickModel | None = None
 
 
 class Reserve(msgspec.Struct, frozen=True):
@@ -84,10 +92,11 @@ class Reserve(msgspec.Struct, frozen=True):
     # of >= 32 tokens, the expert tensors kept in RAM that it runs on the GPU (the copy
     # lives in the compute pool; two, so one can load while the other runs).
     copies: int = 0
+    expert_cache: int = 0  # the routed-expert cache's slots (engine.expert_split)
 
     @property
     def total(self) -> int:
-        return self.kv + self.compute + self.margin + self.copies
+        return self.kv + self.compute + self.margin + self.copies + self.expert_cache
 
 
 class Placed(msgspec.Struct, frozen=True):
@@ -106,6 +115,7 @@ class Plan(msgspec.Struct, frozen=True):
     vram_reserve: Reserve
     ram_reserve: Reserve
     tensors: tuple[Placed, ...]
+    split: ExpertSplit | None = None  # resident layers and cache slots, when cached
 
     def bytes_on(self, device: Device) -> int:
         return sum(t.nbytes for t in self.tensors if t.device == device)
@@ -248,6 +258,13 @@ def make_plan(meta: ModelMeta, budgets: Budgets, opts: PlanOptions) -> Plan:
     for t in experts:
         by_layer[expert_layer(t.name)].append(t)
     order = sorted(by_layer, reverse=True)
+    split = _split(meta, opts, by_layer, free) if opts.cache_slots and experts else None
+    if split is not None:
+        for n in order:
+            for t in by_layer[n]:
+                device[t.name] = "gpu" if n in split.resident else "ram"
+        vram_res = msgspec.structs.replace(vram_res, expert_cache=split.bank_bytes)
+        order = []
     partial_from = len(order)
     for i, n in enumerate(order):
         size = sum(t.nbytes for t in by_layer[n])
@@ -277,6 +294,7 @@ def make_plan(meta: ModelMeta, budgets: Budgets, opts: PlanOptions) -> Plan:
         vram_reserve=vram_res,
         ram_reserve=ram_res,
         tensors=placed,
+        split=split,
     )
     if plan.ram_used > budgets.ram:
         raise PlanDoesNotFit(
@@ -293,6 +311,20 @@ def make_plan(meta: ModelMeta, budgets: Budgets, opts: PlanOptions) -> Plan:
             ],
         )
     return plan
+
+
+def _split(
+    meta: ModelMeta, opts: PlanOptions, by_layer: dict[int, list[TensorInfo]], free: int
+) -> ExpertSplit | None:
+    """The cache's split when some layer stays in host RAM and a slot fits; None (whole
+    layers, then single tensors) otherwise."""
+    layer_bytes = {n: sum(t.nbytes for t in ts) for n, ts in by_layer.items()}
+    if sum(layer_bytes.values()) <= free:
+        return None
+    model = opts.picks or PickModel(meta.n_expert)
+    slots = None if opts.cache_slots == AUTO else opts.cache_slots
+    split = split_experts(layer_bytes, meta.n_expert, meta.n_expert_used, free, model, slots)
+    return split if split.slots else None
 
 
 def _vram_advice(
@@ -355,11 +387,12 @@ def format_plan(plan: Plan) -> str:
         f"{_gib(plan.bytes_on('ram')):>12}"
     )
     v, r = plan.vram_reserve, plan.ram_reserve
+    cache = f" + expert cache {_gib(v.expert_cache)}" if v.expert_cache else ""
     lines.append(
         f"GPU: weights {_gib(plan.bytes_on('gpu'))} + KV {_gib(v.kv)} "
         f"({plan.options.kv_tokens} tokens) + compute {_gib(v.compute)} "
         f"({plan.options.n_ubatch}-row batches) + weight copies "
-        f"{_gib(v.copies)} + margin {_gib(v.margin)} = {_gib(plan.vram_used)} of "
+        f"{_gib(v.copies)}{cache} + margin {_gib(v.margin)} = {_gib(plan.vram_used)} of "
         f"{_gib(plan.budgets.vram)} budget"
     )
     lines.append(
@@ -374,7 +407,24 @@ def format_plan(plan: Plan) -> str:
             f"routed experts on GPU: {plan.expert_layers_on_gpu} whole layers, "
             f"{_gib(on)} of {_gib(total)} ({100 * on / total:.1f}%)"
         )
+    if plan.options.cache_slots and plan.split is None and experts_left_in_ram(plan):
+        lines.append(
+            "expert cache: none (under this pick model whole layers and single tensors serve "
+            "more picks per byte than cache slots)"
+        )
+    if (sp := plan.split) is not None:
+        model = "measured" if plan.options.picks and not plan.options.picks.uniform else "uniform"
+        lines.append(
+            f"expert cache: {sp.slots} slots (+{sp.pad} pad) in each of {len(sp.cached)} layers "
+            f"in RAM, {_gib(sp.bank_bytes)}; expected GPU pick share {sp.expected_share:.1%} "
+            f"({model} routing; {sp.uniform_share:.1%} uniform, {sp.resident_share:.1%} "
+            "from resident layers)"
+        )
     return "\n".join(lines)
+
+
+def experts_left_in_ram(plan: Plan) -> bool:
+    return any(expert_layer(t.name) >= 0 and t.device == "ram" for t in plan.tensors)
 
 
 def plan_to_json(plan: Plan) -> bytes:

@@ -1,0 +1,117 @@
+"""End to end: the routed-expert cache in a served model (`--expert-cache-slots`).
+
+A tiny random qwen3moe with its experts in host RAM (`--cpu-moe`) and 4 slots a layer; no
+GPU here, so the bank is on the CPU, which computes the same graph a GPU bank would. What a
+user relies on: answers equal those of a server without the cache, the metrics tell hits,
+misses and uploads, the reproducible lane never goes through the cache, and the pick counts
+the server saves size the cache in `one-gpu plan`.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from bench.server_proc import Server, start_server
+from engine.expert_split import load_picks
+from tests.test_kv_pressure_e2e import _metric
+from tests.tiny_gguf import Shape, write_qwen3moe
+
+pytestmark = pytest.mark.e2e
+SHAPE = Shape(n_layer=4, n_embd=64, n_expert=16, n_expert_used=4, n_ff_exp=32)
+PROMPTS = ["the capital of france is", "one two three four", "water is a good thing to"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_qwen3moe(tmp_path_factory.mktemp("ec") / "moe.gguf", shape=SHAPE, seed=5)
+
+
+def _serve(model: Path, name: str, *extra: str) -> Server:
+    return start_server(
+        ["--model", str(model), "--served-model-name", "tiny", "--n-ctx", "2048",
+         "--n-seq-max", "4", "--cpu-moe", "--expert-sample-rate", "1", *extra],
+        model.parent / f"{name}.log",
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def servers(model: Path) -> Iterator[tuple[Server, Server]]:
+    cached = _serve(model, "cached", "--expert-cache-slots", "4")
+    plain = _serve(model, "plain", "--expert-cache-slots", "0")
+    yield cached, plain
+    cached.stop()
+    plain.stop()
+
+
+def _answers(server: Server, **extra: object) -> list[str]:
+    client = OpenAI(base_url=server.base_url, api_key="x", _strict_response_validation=True)
+    out = []
+    for p in PROMPTS:
+        r = client.completions.create(
+            model="tiny", prompt=p, max_tokens=24, temperature=0, extra_body=extra or None
+        )
+        out.append(r.choices[0].text)
+    return out
+
+
+def _cache(server: Server) -> tuple[float, float, float]:
+    hits = _metric(server, "onegpu_expert_cache_picks_total", result="hit")
+    misses = _metric(server, "onegpu_expert_cache_picks_total", result="miss")
+    return hits, misses, _metric(server, "onegpu_expert_cache_uploads_total")
+
+
+def test_answers_with_the_cache_equal_answers_without_it(servers: tuple[Server, Server]) -> None:
+    cached, plain = servers
+    assert _metric(cached, "onegpu_expert_cache_slots") == 4
+    assert _metric(cached, "onegpu_expert_cache_layers") == SHAPE.n_layer
+    before = _cache(cached)
+    assert _answers(cached) == _answers(plain)
+    hits, misses, uploads = (a - b for a, b in zip(_cache(cached), before, strict=True))
+    # every decode step's picks are counted (4 a layer a token, 4 layers); the prompts go
+    # through too (a few tokens each, within the cache's batch bound)
+    assert hits + misses >= len(PROMPTS) * 23 * SHAPE.n_expert_used * SHAPE.n_layer
+    assert hits > 0 and misses > 0 and uploads > 0
+    assert "onegpu_expert_cache_picks_total" not in httpx.get(plain.url + "/metrics").text
+
+
+def test_the_reproducible_lane_never_goes_through_the_cache(
+    servers: tuple[Server, Server],
+) -> None:
+    cached, plain = servers
+    before = _cache(cached)
+    repro = _answers(cached, strata_reproducible="required")
+    assert _cache(cached) == before  # its own context: no picks counted, nothing uploaded
+    assert repro == _answers(plain, strata_reproducible="required")
+
+
+def test_saved_pick_counts_are_what_the_planner_reads(
+    servers: tuple[Server, Server], model: Path, tmp_path: Path
+) -> None:
+    """`one-gpu experts --save-counts` writes the server's sampled picks; `one-gpu plan
+    --pick-counts` reads them (how they size the cache: tests/test_expert_split.py) and
+    refuses a file that is not such a table, saying so."""
+    cached, _ = servers
+    _answers(cached)
+    counts = tmp_path / "picks.json"
+    subprocess.run(
+        [sys.executable, "-m", "api.cli", "experts", "--url", cached.url, "--save-counts",
+         str(counts)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    picks = load_picks(counts.read_bytes())
+    assert picks.n_expert == SHAPE.n_expert and not picks.uniform
+    assert picks.hit(SHAPE.n_expert_used) > SHAPE.n_expert_used / SHAPE.n_expert  # measured
+    plan = [sys.executable, "-m", "api.cli", "plan", str(model), "--vram-budget", "1GiB",
+            "--ram-budget", "8GiB", "--ctx", "2048"]  # fmt: skip
+    ok = subprocess.run([*plan, "--pick-counts", str(counts)], capture_output=True, text=True)
+    assert ok.returncode == 0 and "routed experts on GPU: 4 whole layers" in ok.stdout
+    counts.write_text('{"counts": [[1, 2], [3]]}')
+    bad = subprocess.run([*plan, "--pick-counts", str(counts)], capture_output=True, text=True)
+    assert bad.returncode == 2 and "cannot read --pick-counts" in bad.stderr
