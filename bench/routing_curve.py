@@ -1,0 +1,144 @@
+"""The routing model's hit-rate curve: how many of a layer's picks the routed-expert cache
+serves, by its size, under uniform routing and under `bench.skew_router`'s.
+
+Each point is a real server (`--cpu-moe --expert-cache-slots S`) decoding for several
+users at once (prompts of random words, sampled output, no early stop); the hit rate is
+read from its cache counters, over decode steps only (prompts are larger batches than the
+cache takes). Two upload caps: unlimited (every miss uploaded: the routing's own LRU
+curve) and the server's default of one expert a layer a step. Beside them, what a cache
+pinned to the most picked experts would serve (the planner's estimate, from the same
+run's pick counts) and the uniform line S / n_expert.
+
+    python -m bench.routing_curve            # a generated 6-layer, 64-expert model
+    python -m bench.routing_curve --model M  # any MoE GGUF whose router is F32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.server_proc import Server, start_server
+from bench.skew_router import skew_router
+from engine.expert_split import load_picks
+from engine.gguf_meta import read_meta
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    routing: str
+    slots: int
+    uploads: int
+    hit_rate: float
+    pinned: float  # the S most picked experts' share (same run's counts)
+    picks: int
+
+
+def _counter(text: str, name: str, **labels: str) -> float:
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and labels.items() <= s.labels.items():
+                return s.value
+    raise KeyError(name)
+
+
+async def _traffic(url: str, users: int, prompt: int, out: int, seed: int) -> None:
+    rng = random.Random(seed)
+
+    async def one(h: httpx.AsyncClient, i: int) -> None:
+        # each user's prompt on a topic of its own: words from a block of the vocabulary
+        lo = 300 + 60 * (i + users * seed) % 420  # (a vocabulary of 836 tokens)
+        body = {"model": "m", "prompt": [rng.randrange(lo, lo + 60) for _ in range(prompt)],
+                "max_tokens": out, "temperature": 1.0, "seed": seed * 100 + i,
+                "ignore_eos": True}  # fmt: skip
+        r = await h.post(url + "/v1/completions", json=body)
+        r.raise_for_status()
+
+    async with httpx.AsyncClient(timeout=600) as h:
+        await asyncio.gather(*(one(h, i) for i in range(users)))
+
+
+def measure(
+    model: Path, routing: str, slots: int, uploads: int, args: argparse.Namespace, work: Path
+) -> Point:
+    srv: Server = start_server(
+        ["--model", str(model), "--served-model-name", "m", "--cpu-moe", "--n-ctx", "8192",
+         "--n-seq-max", str(args.users), "--expert-cache-slots", str(slots),
+         "--expert-cache-uploads", str(uploads), "--expert-sample-rate", "1",
+         "--no-prefix-cache", "--repro-slots", "0"],
+        work / f"{routing}-{slots}-{uploads}.log",
+    )  # fmt: skip
+    try:
+        for rnd in range(args.rounds):
+            asyncio.run(_traffic(srv.url, args.users, args.prompt, args.out, seed=rnd + 1))
+        text = httpx.get(srv.url + "/metrics").text
+        hits = _counter(text, "onegpu_expert_cache_picks_total", result="hit")
+        misses = _counter(text, "onegpu_expert_cache_picks_total", result="miss")
+        pinned = load_picks(httpx.get(srv.url + "/experts/counts").content).hit(slots)
+    finally:
+        srv.stop()
+    total = hits + misses
+    return Point(routing, slots, uploads, hits / total if total else 0.0, pinned, int(total))
+
+
+def _generated(path: Path) -> Path:
+    from tests.tiny_gguf import Shape, write_qwen3moe  # the test suite's model writer
+
+    shape = Shape(n_layer=6, n_embd=256, n_head=8, n_head_kv=2, head_dim=32, n_ff=512,
+                  n_expert=64, n_expert_used=8, n_ff_exp=64)  # fmt: skip
+    return write_qwen3moe(path, shape=shape, seed=7, wtype="f16")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", type=Path, help="an MoE GGUF (default: a generated one)")
+    p.add_argument("--slots", default="4,8,16,32", help="cache sizes to measure")
+    p.add_argument("--users", type=int, default=4)
+    p.add_argument("--prompt", type=int, default=64, help="prompt tokens a user")
+    p.add_argument("--out", type=int, default=96, help="tokens a user decodes")
+    p.add_argument("--rounds", type=int, default=2, help="rounds of users, new prompts each")
+    p.add_argument("--skew", type=float, default=1.0)
+    p.add_argument("--locality", type=float, default=0.5)
+    a = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    work = Path(tempfile.mkdtemp(prefix="routing-"))
+    base = a.model or _generated(work / "moe.gguf")
+    skewed = work / "skewed.gguf"
+    shutil.copyfile(base, skewed)
+    skew_router(skewed, skew=a.skew, locality=a.locality, context=64, boost=8.0)
+    n_expert = read_meta(str(base)).n_expert
+    points = [
+        measure(model, routing, s, uploads, a, work)
+        for routing, model in (("uniform", base), ("skewed", skewed))
+        for s in (int(x) for x in a.slots.split(","))
+        for uploads in (n_expert, 1)
+    ]
+    print(
+        f"| routing | slots (of {n_expert}) | LRU hit rate, uploads unlimited | "
+        "LRU, 1 upload a layer a step | most picked S (pinned) | S / n_expert | picks |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    by = {(pt.routing, pt.slots, pt.uploads): pt for pt in points}
+    for routing in ("uniform", "skewed"):
+        for s in (int(x) for x in a.slots.split(",")):
+            free, capped = by[(routing, s, n_expert)], by[(routing, s, 1)]
+            print(
+                f"| {routing} | {s} | {free.hit_rate:.1%} | {capped.hit_rate:.1%} | "
+                f"{free.pinned:.1%} | {s / n_expert:.1%} | {free.picks} |"
+            )
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
