@@ -191,9 +191,10 @@ def _plan_options(p: argparse.ArgumentParser) -> None:
         "(default 384MiB, measured on an H200 with CUDA 13)",
     )  # fmt: skip
     p.add_argument(
-        "--expert-cache-slots", type=_slots, default=AUTO, metavar="N|auto",
+        "--expert-cache-slots", type=_slots, default=0, metavar="N|auto",
         help="experts a layer the GPU caches for layers whose experts are in host RAM (auto: "
-        "the plan splits the experts' VRAM between whole layers and slots; 0 = off)",
+        "the plan splits the experts' VRAM between whole layers and slots; default 0 = off "
+        "until its CUDA path is measured)",
     )  # fmt: skip
     p.add_argument(
         "--pick-counts", type=Path, metavar="FILE",
