@@ -224,7 +224,8 @@ class Scheduler:
             and all(len(r.output_ids) < 2 for r, _ in plan.values())
         )
         draft = StepDraft(n_decode, decode_depth, n_decode > 0 or others_waiting, burst)
-        for req in prefilling:
+        joined = True
+        for i, req in enumerate(prefilling):
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             req.split_at = self._offer_point(req, req.num_computed, req.shared)
@@ -236,18 +237,23 @@ class Scheduler:
             )
             if n < 1:
                 break
+            behind = len(prefilling) - i - 1 + len(self.waiting)
+            if not self.cost.joins(draft, n, req.num_computed, behind):
+                joined = False  # it waits for the next step, and everyone behind it
+                break
             ok, n_pre = self._reserve(req, n, plan)
             preempted += n_pre
             if ok:
                 plan[req.req_id] = (req, n)
                 draft.chunks.append((n, req.num_computed))
+                draft.finishing += n == req.num_uncomputed
                 budget -= n
         budget = self.cfg.max_num_batched_tokens - sum(n for _, n in plan.values())
         starts: list[SeqStart] = []
         if not self.running:
             self._kv_backoff = False
         # A step that had to preempt admits nobody: the room it made is for the running.
-        can_admit = preempted == 0 and not self._kv_backoff
+        can_admit = preempted == 0 and not self._kv_backoff and joined
         if n_decode:
             self.growth.step()
         # Admission by what a request needs: its whole uncomputed prompt (a preempted one's
@@ -269,7 +275,8 @@ class Scheduler:
             and self._short_of_kv(committed)
         ):
             can_admit, kv_blocked = False, True
-        for req in list(self.waiting):
+        queue = list(self.waiting)
+        for i, req in enumerate(queue):
             if not (
                 can_admit and budget > 0 and self.pool.num_free_seqs > 0
                 and len(self.running) < self.cfg.max_num_seqs
@@ -288,7 +295,8 @@ class Scheduler:
                 req.num_computed + cached,
                 rest,
             )
-            if n < 1:
+            behind = len(queue) - i - 1
+            if n < 1 or not self.cost.joins(draft, n, req.num_computed + cached, behind):
                 break
             held = req.num_computed
             free = self._free() - self._unread(req, cached)  # what it reads stays
@@ -320,6 +328,7 @@ class Scheduler:
             self.pool.grow(req.seq_id, held + n)
             plan[req.req_id] = (req, n)
             draft.chunks.append((n, req.num_computed))
+            draft.finishing += n == rest
             budget -= n
         self._kv_blocked(kv_blocked, now)
 

@@ -529,6 +529,40 @@ def test_under_kv_pressure_steps_are_shared_only_where_batching_pays(
     assert most == together
 
 
+@pytest.mark.parametrize(
+    ("per_step", "per_token", "together"),
+    [(2e-2, 1e-5, 4), (1e-4, 2e-3, 1)],
+    ids=["gpu-like", "compute-bound"],
+)
+def test_prompts_arriving_together_share_a_step_where_that_brings_first_tokens_sooner(
+    per_step: float, per_token: float, together: int
+) -> None:
+    """Four 60-token prompts at once on an idle server. Where a step's fixed cost dwarfs
+    a prompt's (GPU-like), one step for all four brings every first token about as soon
+    as one alone; where a prompt costs its tokens (a few CPU cores), one step for all four
+    makes each wait for the four, and one a step gives the first its token four times
+    sooner: the lower mean time to first token is what the scheduler picks."""
+    fake = FakeEngine(seconds_per_step=per_step, seconds_per_token=per_token)
+    d = Driver(cfg(max_num_seqs=8, kv_capacity=4000, max_num_batched_tokens=512), fake)
+    for i, n in enumerate([20, 70, 40, 110, 30, 90]):  # the cost model learns this machine
+        d.add(make_request(f"w{i}", prompt(n, i), 3))
+        d.run()
+    reqs = [d.add(make_request(f"r{i}", prompt(60, 10 + i), 3)) for i in range(4)]
+    clock, first = 0.0, {}
+    while len(first) < len(reqs):
+        s = d.step()
+        if clock == 0.0:  # the first step after they arrived
+            assert sum(r in reqs for r in s.out.reqs) == together
+        clock += per_step + per_token * s.out.batch.num_tokens
+        first |= {r.req_id: clock for r in reqs if r.output_ids and r.req_id not in first}
+    mean = sum(first.values()) / len(first)
+    one_step = per_step + per_token * 240  # all four in one step
+    assert mean <= one_step * 1.05 if together == 4 else mean < 0.75 * one_step
+    d.run()
+    for r in reqs:
+        d.assert_matches_reference(r.req_id)
+
+
 def test_the_victim_is_the_request_with_the_least_computed() -> None:
     """Preemption throws away the victim's KV: the one with the fewest computed tokens
     costs the least to recompute, newest or not."""
