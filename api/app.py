@@ -117,9 +117,9 @@ def _state(
         experts = ExpertTelemetry(model.tap, placement.experts)
         metrics.add_expert_telemetry(experts.report)
     if model.expert_cache_layers:
-        # (read at scrape time from the event loop: four counters the engine thread bumps)
+        # (read at scrape time from the event loop: counters the engine thread bumps)
         metrics.add_expert_cache(
-            functools.partial(moe_cache.stats, model.main.ctx),
+            functools.partial(moe_cache.snapshot, model.main.ctx, model.n_layer),
             settings.engine.expert_cache_slots, model.expert_cache_layers,
         )  # fmt: skip
     loop = EngineLoop(scheduler, engines[0].step, on_stats=metrics.observe)

@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from engine.expert_stats import ExpertReport
-from engine.moe_cache import CacheStats
+from engine.moe_cache import CacheSnapshot
 from scheduler.stats import FAST, StepStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -248,7 +248,9 @@ class Metrics:
         """Expert pick counters, read from `source` at each scrape (engine.expert_tap)."""
         self.registry.register(_ExpertCollector(source))
 
-    def add_expert_cache(self, source: Callable[[], CacheStats], slots: int, layers: int) -> None:
+    def add_expert_cache(
+        self, source: Callable[[], CacheSnapshot], slots: int, layers: int
+    ) -> None:
         """The routed-expert cache's counters, read from `source` at each scrape."""
         self.registry.register(_CacheCollector(source))
         Gauge("onegpu_expert_cache_slots", "Experts a layer the routed-expert cache holds",
@@ -393,14 +395,15 @@ class _ExpertCollector:
 class _CacheCollector:
     """The routed-expert cache's counters (engine.moe_cache) as series, at scrape time."""
 
-    def __init__(self, source: Callable[[], CacheStats]) -> None:
+    def __init__(self, source: Callable[[], CacheSnapshot]) -> None:
         self.source = source
 
     def describe(self) -> list[Metric]:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        st = self.source()
+        snap = self.source()
+        st = snap.total
         picks = CounterMetricFamily(
             "onegpu_expert_cache_picks",
             "Routed picks of cached layers in small batches: served from the GPU's cache (hit) "
@@ -410,6 +413,13 @@ class _CacheCollector:
         picks.add_metric(["hit"], st.hits)
         picks.add_metric(["miss"], st.misses)
         yield picks
+        per_layer = CounterMetricFamily(
+            "onegpu_expert_cache_layer_picks", "The same picks by layer", labels=["layer", "result"]
+        )
+        for il, (hits, misses) in snap.layers.items():
+            per_layer.add_metric([str(il), "hit"], hits)
+            per_layer.add_metric([str(il), "miss"], misses)
+        yield per_layer
         yield CounterMetricFamily(
             "onegpu_expert_cache_uploads", "Experts copied into the cache", value=st.uploads
         )

@@ -1,4 +1,5 @@
-"""The routed-expert cache of our llama.cpp patch 0002, through ctypes.
+"""The routed-expert cache of our llama.cpp patches 0002 (the cache) and 0003 (its
+per-layer counters), through ctypes.
 
 For a context whose expert tensors live in host RAM (`--cpu-moe`, or a plan that leaves
 layers there), the patch keeps a small bank of expert slices on a device — the GPU, or the
@@ -42,14 +43,16 @@ class CacheStats:
 
 @functools.cache
 def _lib() -> Any:
-    """llama.cpp's library with the cache's four functions declared (AttributeError on a
-    library built without patch 0002)."""
+    """llama.cpp's library with the cache's functions declared (AttributeError on a
+    library built without patches 0002 and 0003)."""
     lib = llama()._lib
     vp, i32, i64p = ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int64)
     lib.llama_moe_cache_configure.argtypes = [vp, i32, i32, i32, ctypes.c_char_p]
     lib.llama_moe_cache_configure.restype = i32
     lib.llama_moe_cache_get_stats.argtypes = [vp, i64p, i64p, i64p, i64p]
     lib.llama_moe_cache_get_stats.restype = None
+    lib.llama_moe_cache_get_layer_stats.argtypes = [vp, i32, i64p, i64p]
+    lib.llama_moe_cache_get_layer_stats.restype = i32
     lib.llama_moe_cache_reset_stats.argtypes = [vp]
     lib.llama_moe_cache_reset_stats.restype = None
     lib.llama_moe_cache_pin.argtypes = [vp, i32, i32]
@@ -84,6 +87,29 @@ def stats(ctx: Any) -> CacheStats:
     v = [ctypes.c_int64() for _ in range(4)]
     _lib().llama_moe_cache_get_stats(ctx, *(ctypes.byref(x) for x in v))
     return CacheStats(*(x.value for x in v))
+
+
+def layer_stats(ctx: Any, layer: int) -> tuple[int, int] | None:
+    """(hits, misses) of one layer since configure or the last reset; None where the cache
+    does not cover it."""
+    hits, misses = ctypes.c_int64(), ctypes.c_int64()
+    rc = _lib().llama_moe_cache_get_layer_stats(
+        ctx, layer, ctypes.byref(hits), ctypes.byref(misses)
+    )
+    return None if rc != 0 else (hits.value, misses.value)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSnapshot:
+    total: CacheStats
+    layers: dict[int, tuple[int, int]]  # covered layer -> (hits, misses)
+
+
+def snapshot(ctx: Any, n_layer: int) -> CacheSnapshot:
+    """Every counter at once (what /metrics reads at a scrape). The engine thread bumps
+    them after each small batch: 8-byte counters, read whole."""
+    layers = {il: st for il in range(n_layer) if (st := layer_stats(ctx, il)) is not None}
+    return CacheSnapshot(stats(ctx), layers)
 
 
 def reset_stats(ctx: Any) -> None:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -50,14 +52,17 @@ def servers(model: Path) -> Iterator[tuple[Server, Server]]:
     plain.stop()
 
 
-def _answers(server: Server, **extra: object) -> list[str]:
+def _answers(server: Server, logprobs: int | None = None, **extra: object) -> list[Any]:
+    """Greedy answers to PROMPTS: texts, or (text, top logprobs) pairs with `logprobs`."""
     client = OpenAI(base_url=server.base_url, api_key="x", _strict_response_validation=True)
-    out = []
+    out: list[Any] = []
     for p in PROMPTS:
         r = client.completions.create(
-            model="tiny", prompt=p, max_tokens=24, temperature=0, extra_body=extra or None
-        )
-        out.append(r.choices[0].text)
+            model="tiny", prompt=p, max_tokens=24, temperature=0, logprobs=logprobs,
+            extra_body=extra or None,
+        )  # fmt: skip
+        c = r.choices[0]
+        out.append(c.text if logprobs is None else (c.text, c.logprobs and c.logprobs.top_logprobs))
     return out
 
 
@@ -78,17 +83,32 @@ def test_answers_with_the_cache_equal_answers_without_it(servers: tuple[Server, 
     # through too (a few tokens each, within the cache's batch bound)
     assert hits + misses >= len(PROMPTS) * 23 * SHAPE.n_expert_used * SHAPE.n_layer
     assert hits > 0 and misses > 0 and uploads > 0
+    by_layer = [
+        _metric(cached, "onegpu_expert_cache_layer_picks_total", layer=str(il), result=r)
+        for il in range(SHAPE.n_layer) for r in ("hit", "miss")
+    ]  # fmt: skip
+    assert sum(by_layer) == sum(_cache(cached)[:2])  # the layers' counts add up to the total
     assert "onegpu_expert_cache_picks_total" not in httpx.get(plain.url + "/metrics").text
 
 
 def test_the_reproducible_lane_never_goes_through_the_cache(
     servers: tuple[Server, Server],
 ) -> None:
+    """Its own context never has a cache: its picks are never counted, and its answers
+    under others' load (which fills and turns over the cache) equal an idle plain
+    server's, logprobs included."""
     cached, plain = servers
     before = _cache(cached)
     repro = _answers(cached, strata_reproducible="required")
-    assert _cache(cached) == before  # its own context: no picks counted, nothing uploaded
-    assert repro == _answers(plain, strata_reproducible="required")
+    assert _cache(cached) == before  # no picks counted, nothing uploaded
+    alone = _answers(plain, strata_reproducible="required", logprobs=2)
+    with ThreadPoolExecutor(4) as pool:
+        load = [pool.submit(_answers, cached) for _ in range(3)]
+        loaded = _answers(cached, strata_reproducible="required", logprobs=2)
+        for f in load:
+            f.result()
+    assert _cache(cached) != before  # the load went through the cache meanwhile
+    assert loaded == alone and repro == [a[0] for a in alone]
 
 
 def test_saved_pick_counts_are_what_the_planner_reads(

@@ -121,10 +121,14 @@ def test_the_cache_counts_every_small_batch_pick_and_uploads_what_missed(tiny: T
         assert s.hits + s.misses == 40 * SHAPE.n_layer * SHAPE.n_expert_used
         assert s.hits > 0 and s.uploads > 0
         assert s.upload_bytes == s.uploads * tiny.expert_bytes
+        layers = [moe_cache.layer_stats(ctx, il) for il in range(SHAPE.n_layer)]
+        assert all(st is not None and sum(st) == 40 * SHAPE.n_expert_used for st in layers)
+        assert sum(st[0] for st in layers if st) == s.hits  # patch 0003: per-layer counters
+        assert moe_cache.layer_stats(ctx, SHAPE.n_layer) is None  # no such layer
         # a decode graph with the cache on is still reused from step to step
         assert tiny.ll.llama_perf_context(ctx).n_reused >= 38
         moe_cache.reset_stats(ctx)
-        assert moe_cache.stats(ctx).hits == 0
+        assert moe_cache.stats(ctx).hits == 0 and moe_cache.layer_stats(ctx, 0) == (0, 0)
         # every expert of layer 0 pinned: uploaded at once
         assert moe_cache.configure(ctx, 8, max_uploads=2, max_tokens=8, device="CPU") == 3
         for e in range(SHAPE.n_expert):
