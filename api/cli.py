@@ -219,14 +219,14 @@ def _cache_options(args: argparse.Namespace) -> dict[str, Any]:
     """PlanOptions' keywords for the routed-expert cache (exits 2 on unreadable counts)."""
     from engine.expert_split import load_picks
 
-    if args.pick_counts is None:
-        return {"cache_slots": args.expert_cache_slots}
-    try:
-        picks = load_picks(args.pick_counts.read_bytes())
-    except (OSError, ValueError) as e:
-        sys.stderr.write(f"one-gpu: cannot read --pick-counts {args.pick_counts}: {e}\n")
-        sys.exit(2)
-    return {"cache_slots": args.expert_cache_slots, "picks": picks}
+    opts: dict[str, Any] = {"cache_slots": args.expert_cache_slots}
+    if args.pick_counts is not None:
+        try:
+            opts["picks"] = load_picks(args.pick_counts.read_bytes())
+        except (OSError, ValueError) as e:
+            sys.stderr.write(f"one-gpu: cannot read --pick-counts {args.pick_counts}: {e}\n")
+            sys.exit(2)
+    return opts
 
 
 def _size(text: str) -> int:

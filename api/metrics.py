@@ -246,13 +246,13 @@ class Metrics:
 
     def add_expert_telemetry(self, source: Callable[[], ExpertReport]) -> None:
         """Expert pick counters, read from `source` at each scrape (engine.expert_tap)."""
-        self.registry.register(_ExpertCollector(source))
+        self.registry.register(_AtScrape(lambda: _expert_series(source())))
 
     def add_expert_cache(
         self, source: Callable[[], CacheSnapshot], slots: int, layers: int
     ) -> None:
         """The routed-expert cache's counters, read from `source` at each scrape."""
-        self.registry.register(_CacheCollector(source))
+        self.registry.register(_AtScrape(lambda: _cache_series(source())))
         Gauge("onegpu_expert_cache_slots", "Experts a layer the routed-expert cache holds",
               registry=self.registry).set(slots)  # fmt: skip
         Gauge("onegpu_expert_cache_layers", "Layers in host RAM the routed-expert cache covers",
@@ -356,74 +356,69 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-class _ExpertCollector:
-    """Turns the sampled router counts into series when Prometheus scrapes."""
+class _AtScrape:
+    """A collector whose series `series()` makes when Prometheus scrapes."""
 
-    def __init__(self, source: Callable[[], ExpertReport]) -> None:
-        self.source = source
+    def __init__(self, series: Callable[[], Iterator[Metric]]) -> None:
+        self.series = series
 
     def describe(self) -> list[Metric]:
         return []  # series are known only at collect time; nothing to check at register
 
     def collect(self) -> Iterator[Metric]:
-        r = self.source()
-        picks = CounterMetricFamily(
-            "onegpu_expert_picks",
-            "Sampled expert picks by where the expert's weights live (a layer split between "
-            "devices counts by its share of bytes)",
-            labels=["residence"],
-        )
-        picks.add_metric(["gpu"], r.gpu_picks)
-        picks.add_metric(["ram"], r.picks - r.gpu_picks)
-        yield picks
-        yield GaugeMetricFamily(
-            "onegpu_expert_gpu_pick_share",
-            "Share of sampled expert picks served by GPU-resident expert tensors",
-            value=r.gpu_pick_share,
-        )
-        yield GaugeMetricFamily(
-            "onegpu_expert_hot_set_pick_share",
-            "Share a per-expert hot set of the same VRAM would serve (the most picked experts)",
-            value=r.hot_set_pick_share,
-        )
-        yield CounterMetricFamily(
-            "onegpu_expert_sampled_steps", "Steps whose router choices were read",
-            value=r.sampled_steps,
-        )  # fmt: skip
+        return self.series()
 
 
-class _CacheCollector:
-    """The routed-expert cache's counters (engine.moe_cache) as series, at scrape time."""
+def _expert_series(r: ExpertReport) -> Iterator[Metric]:
+    """The sampled router counts as series."""
+    picks = CounterMetricFamily(
+        "onegpu_expert_picks",
+        "Sampled expert picks by where the expert's weights live (a layer split between "
+        "devices counts by its share of bytes)",
+        labels=["residence"],
+    )
+    picks.add_metric(["gpu"], r.gpu_picks)
+    picks.add_metric(["ram"], r.picks - r.gpu_picks)
+    yield picks
+    yield GaugeMetricFamily(
+        "onegpu_expert_gpu_pick_share",
+        "Share of sampled expert picks served by GPU-resident expert tensors",
+        value=r.gpu_pick_share,
+    )
+    yield GaugeMetricFamily(
+        "onegpu_expert_hot_set_pick_share",
+        "Share a per-expert hot set of the same VRAM would serve (the most picked experts)",
+        value=r.hot_set_pick_share,
+    )
+    yield CounterMetricFamily(
+        "onegpu_expert_sampled_steps", "Steps whose router choices were read",
+        value=r.sampled_steps,
+    )  # fmt: skip
 
-    def __init__(self, source: Callable[[], CacheSnapshot]) -> None:
-        self.source = source
 
-    def describe(self) -> list[Metric]:
-        return []
-
-    def collect(self) -> Iterator[Metric]:
-        snap = self.source()
-        st = snap.total
-        picks = CounterMetricFamily(
-            "onegpu_expert_cache_picks",
-            "Routed picks of cached layers in small batches: served from the GPU's cache (hit) "
-            "or from host RAM (miss)",
-            labels=["result"],
-        )
-        picks.add_metric(["hit"], st.hits)
-        picks.add_metric(["miss"], st.misses)
-        yield picks
-        per_layer = CounterMetricFamily(
-            "onegpu_expert_cache_layer_picks", "The same picks by layer", labels=["layer", "result"]
-        )
-        for il, (hits, misses) in snap.layers.items():
-            per_layer.add_metric([str(il), "hit"], hits)
-            per_layer.add_metric([str(il), "miss"], misses)
-        yield per_layer
-        yield CounterMetricFamily(
-            "onegpu_expert_cache_uploads", "Experts copied into the cache", value=st.uploads
-        )
-        yield CounterMetricFamily(
-            "onegpu_expert_cache_upload_bytes", "Bytes copied into the cache",
-            value=st.upload_bytes,
-        )  # fmt: skip
+def _cache_series(snap: CacheSnapshot) -> Iterator[Metric]:
+    """The routed-expert cache's counters (engine.moe_cache) as series."""
+    st = snap.total
+    picks = CounterMetricFamily(
+        "onegpu_expert_cache_picks",
+        "Routed picks of cached layers in small batches: served from the GPU's cache (hit) "
+        "or from host RAM (miss)",
+        labels=["result"],
+    )
+    picks.add_metric(["hit"], st.hits)
+    picks.add_metric(["miss"], st.misses)
+    yield picks
+    per_layer = CounterMetricFamily(
+        "onegpu_expert_cache_layer_picks", "The same picks by layer", labels=["layer", "result"]
+    )
+    for il, (hits, misses) in snap.layers.items():
+        per_layer.add_metric([str(il), "hit"], hits)
+        per_layer.add_metric([str(il), "miss"], misses)
+    yield per_layer
+    yield CounterMetricFamily(
+        "onegpu_expert_cache_uploads", "Experts copied into the cache", value=st.uploads
+    )
+    yield CounterMetricFamily(
+        "onegpu_expert_cache_upload_bytes", "Bytes copied into the cache",
+        value=st.upload_bytes,
+    )  # fmt: skip

@@ -27,6 +27,7 @@ from engine.plan import (
     PlanOptions,
     cpu_patterns,
     expert_layer,
+    experts_in_ram,
     make_plan,
     parse_size,
     plan_from_json,
@@ -61,10 +62,6 @@ def budgets(req: PlanRequest) -> Budgets:
 def plan_model(meta: ModelMeta, req: PlanRequest) -> Plan:
     """Plan `meta` for this host; raises `PlanDoesNotFit` with the numbers."""
     return make_plan(meta, budgets(req), req.options)
-
-
-def experts_in_ram(plan: Plan) -> bool:
-    return any(expert_layer(t.name) >= 0 and t.device == "ram" for t in plan.tensors)
 
 
 def plan_wide(meta: ModelMeta, req: PlanRequest, n_batch: int) -> Plan:

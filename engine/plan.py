@@ -407,7 +407,7 @@ def format_plan(plan: Plan) -> str:
             f"routed experts on GPU: {plan.expert_layers_on_gpu} whole layers, "
             f"{_gib(on)} of {_gib(total)} ({100 * on / total:.1f}%)"
         )
-    if plan.options.cache_slots and plan.split is None and experts_left_in_ram(plan):
+    if plan.options.cache_slots and plan.split is None and experts_in_ram(plan):
         lines.append(
             "expert cache: none (under this pick model whole layers and single tensors serve "
             "more picks per byte than cache slots)"
@@ -423,7 +423,8 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def experts_left_in_ram(plan: Plan) -> bool:
+def experts_in_ram(plan: Plan) -> bool:
+    """Whether the plan leaves some routed expert tensor in host RAM."""
     return any(expert_layer(t.name) >= 0 and t.device == "ram" for t in plan.tensors)
 
 
