@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from bench.server_proc import Server, free_port, start_process
-from tests.bystander import ENGINE_THREADS, Bystander, Conn
+from tests.bystander import ENGINE_THREADS, TIGHT_STALL, TIGHT_STALL_MS, Bystander, Conn
 from tests.conftest import MODEL
 
 pytestmark = pytest.mark.e2e
@@ -24,11 +24,12 @@ FD_LIMIT = 256  # the server's file descriptors: fewer than the connections a te
 @pytest.fixture(scope="module")
 def tight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """A server with few file descriptors (default --max-connections: it caps itself below
-    the limit), the default header timeout (10 s) and a short keep-alive timeout."""
+    the limit), the default header timeout (10 s) and a short keep-alive timeout. Its stall
+    target is the bystander's tight one: the HTTP/1.0 request is served beside the stream."""
     port = free_port()
     cmd = ["prlimit", f"--nofile={FD_LIMIT}:{FD_LIMIT}", sys.executable, "-m", "api.cli",
-           "serve", "--port", str(port), *ENGINE_THREADS, "--n-ctx", "4096", "--n-seq-max", "4",
-           "--keep-alive-timeout", "1"]  # fmt: skip
+           "serve", "--port", str(port), *ENGINE_THREADS, *TIGHT_STALL, "--n-ctx", "4096",
+           "--n-seq-max", "4", "--keep-alive-timeout", "1"]  # fmt: skip
     srv = start_process(cmd, port, tmp_path_factory.mktemp("tight") / "server.log")
     yield srv
     srv.stop()
@@ -36,7 +37,7 @@ def tight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def watcher(tight: Server) -> Bystander:
-    return Bystander(tight)
+    return Bystander(tight, stall_s=TIGHT_STALL_MS / 1000)
 
 
 def _read_all(s: socket.socket, timeout_s: float = 10.0) -> bytes:
