@@ -11,6 +11,11 @@ Containers often refuse `numactl --preferred` (seccomp denies set_mempolicy, EPE
 a message that is easy to miss, so the binding is tried strongest first — memory and
 CPUs, CPUs only, `taskset` on the node's CPUs — each by running a no-op under it, and the
 report says which one held and why the others did not.
+
+A container (`--cpuset-cpus`) or Kubernetes' CPU manager may already confine the process
+to some CPUs: the binding then covers the node's CPUs that cgroup allows, and the decode
+threads count only those (llama.cpp's threads spin: more threads than CPUs thrash). A node
+the cgroup leaves no CPU of is not bound to, and the report says so.
 """
 
 from __future__ import annotations
@@ -84,12 +89,44 @@ def nodes(root: Path) -> list[int]:
 
 def node_cpus(root: Path, node: int) -> list[int]:
     """The CPUs of `node`, from its cpulist ("0-15,32-47")."""
-    text = (root / f"devices/system/node/node{node}/cpulist").read_text().strip()
+    return parse_cpulist((root / f"devices/system/node/node{node}/cpulist").read_text())
+
+
+def parse_cpulist(text: str) -> list[int]:
+    """CPUs from a cpulist ("0-15,32-47"), as sysfs and cgroups write them."""
     cpus: list[int] = []
-    for part in filter(None, text.split(",")):
+    for part in filter(None, text.strip().split(",")):
         lo, _, hi = part.partition("-")
         cpus += range(int(lo), int(hi or lo) + 1)
     return cpus
+
+
+def allowed_cpus(root: Path, cgroup_of: Path = Path("/proc/self/cgroup")) -> set[int] | None:
+    """The CPUs this process's cgroup allows; None where no cpuset says (or it cannot be
+    read). cgroup v2: `cpuset.cpus.effective` of the process's cgroup or, where that one
+    does not run the cpuset controller, of its nearest ancestor (whose set it inherits);
+    v1: the cpuset hierarchy's `cpuset.effective_cpus`."""
+    try:
+        lines = cgroup_of.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            base, name = root / "fs/cgroup", "cpuset.cpus.effective"
+        elif "cpuset" in controllers.split(","):
+            base, name = root / "fs/cgroup/cpuset", "cpuset.effective_cpus"
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            try:
+                text = (base.joinpath(*parts[:depth]) / name).read_text()
+            except OSError:
+                continue
+            cpus = parse_cpulist(text)
+            return set(cpus) if cpus else None
+    return None
 
 
 def physical_cores(root: Path, cpus: list[int]) -> int:
@@ -139,18 +176,24 @@ class Target:
 
     gpu: Gpu
     node: int
-    cpus: list[int]
-    cores: int  # physical
+    cpus: list[int]  # the node's CPUs this process's cgroup allows
+    cores: int  # physical, among `cpus`
+    node_cpus: int = 0  # all the node's CPUs, where a cpuset leaves fewer (else 0)
 
     @property
     def where(self) -> str:
+        confined = (f" (the cpuset allows {len(self.cpus)} of its {self.node_cpus} CPUs: "
+                    f"{cpulist(self.cpus)})" if self.node_cpus else "")  # fmt: skip
         return (f"GPU {self.gpu.index} ({self.gpu.bus_id}) on NUMA node {self.node}, "
-                f"{self.cores} physical cores")  # fmt: skip
+                f"{self.cores} physical cores{confined}")  # fmt: skip
 
 
-def target(root: Path, gpu_index: int | None = None) -> Target | str:
-    """The GPU (the given one, else the first) and its node; or why there is nothing to
-    bind to. `ValueError` for a GPU index this host does not have."""
+def target(
+    root: Path, gpu_index: int | None = None, allowed: set[int] | None = None
+) -> Target | str:
+    """The GPU (the given one, else the first) and its node's CPUs that `allowed` (this
+    process's cpuset; None: every CPU) holds; or why there is nothing to bind to.
+    `ValueError` for a GPU index this host does not have."""
     found = gpus(root)
     if gpu_index is not None and not 0 <= gpu_index < len(found):
         have = f"GPUs 0-{len(found) - 1}" if found else "no NVIDIA GPU"
@@ -163,7 +206,13 @@ def target(root: Path, gpu_index: int | None = None) -> Target | str:
     if gpu.node is None:
         return f"GPU {gpu.index} ({gpu.bus_id}): the platform reports no NUMA node"
     cpus = node_cpus(root, gpu.node)
-    return Target(gpu, gpu.node, cpus, physical_cores(root, cpus))
+    inside = cpus if allowed is None else [c for c in cpus if c in allowed]
+    if not inside:
+        return (f"GPU {gpu.index} ({gpu.bus_id}) on NUMA node {gpu.node}, whose CPUs "
+                f"({cpulist(cpus)}) this process's cpuset ({cpulist(sorted(allowed or ()))}) "
+                "leaves none of")  # fmt: skip
+    fewer = len(cpus) if len(inside) < len(cpus) else 0
+    return Target(gpu, gpu.node, inside, physical_cores(root, inside), fewer)
 
 
 def choose(t: Target | str, run: Runner = _run) -> Binding:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from deploy.download import DownloadError, Source, endpoint, fetch
-from deploy.numa import Target, candidates, choose, gpus, sysfs, target
+from deploy.numa import Target, allowed_cpus, candidates, choose, gpus, sysfs, target
 
 SERVE = [sys.executable, "-m", "api.cli", "serve"]
 
@@ -115,7 +115,7 @@ def dry_run(
 def main(argv: Sequence[str]) -> int:
     args, rest = parser().parse_known_args(argv)
     try:
-        t = target(sysfs(), args.gpu)
+        t = target(sysfs(), args.gpu, allowed_cpus(sysfs()))
         src = source(args, rest)
     except ValueError as e:
         sys.stderr.write(f"one-gpu run: {e}\n")

@@ -13,7 +13,7 @@ import pytest
 from openai import OpenAI
 
 from bench.server_proc import Server, free_port, start_process
-from deploy.numa import Binding, choose, target
+from deploy.numa import Binding, allowed_cpus, choose, target
 from tests.tiny_gguf import write_llama, write_qwen3moe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -143,6 +143,45 @@ def test_no_gpu_one_node_or_nothing_that_runs_serves_unbound_and_says_why(
     assert b.prefix == [] and "taskset -c 0-3,8-11: taskset: failed" in b.report
 
 
+def test_a_cpuset_the_process_has_is_read_from_its_cgroup(tmp_path: Path) -> None:
+    """cgroup v2: the nearest cgroup on the process's path with a cpuset (a container's
+    own cgroup runs none: its pod's set holds); v1: the cpuset hierarchy's; none: None."""
+    root = tmp_path / "sys"
+    pod = root / "fs/cgroup/kubepods/pod1"
+    (pod / "ctr").mkdir(parents=True)
+    (pod / "cpuset.cpus.effective").write_text("4-5,12\n")
+    (root / "fs/cgroup/cpuset.cpus.effective").write_text("0-15\n")
+    v2 = tmp_path / "v2"
+    v2.write_text("0::/kubepods/pod1/ctr\n")
+    assert allowed_cpus(root, v2) == {4, 5, 12}
+    v1 = tmp_path / "v1"
+    v1.write_text("4:memory:/docker/abc\n3:cpuset:/docker/abc\n0::/\n")
+    (root / "fs/cgroup/cpuset/docker/abc").mkdir(parents=True)
+    (root / "fs/cgroup/cpuset/docker/abc/cpuset.effective_cpus").write_text("1,3\n")
+    assert allowed_cpus(root, v1) == {1, 3}
+    assert allowed_cpus(tmp_path / "no-cgroups", v2) is None
+    assert allowed_cpus(root, tmp_path / "no-such-file") is None
+
+
+def test_a_cpuset_narrows_the_binding_to_the_node_s_cpus_it_allows(
+    host: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A container confined to some of the GPU node's CPUs binds to those and runs a
+    decode thread per core it has, not per core the node has; confined elsewhere, it is
+    not bound and the report says why."""
+    _stubs(tmp_path, monkeypatch, taskset="exit 0")
+    b = choose(target(host, 1, allowed={0, 1, 5, 6, 13, 14}))  # node 1: 4-7,12-15
+    assert b.prefix == ["taskset", "-c", "5-6,13-14"]
+    assert b.threads == 2  # CPUs 5 and 13 are one core, 6 and 14 another
+    assert "4 physical cores" not in b.report
+    assert "2 physical cores (the cpuset allows 4 of its 8 CPUs: 5-6,13-14)" in b.report
+    b = choose(target(host, 1, allowed={0, 1, 2}))
+    assert b == Binding([], "binding: none (GPU 1 (0000:ca:00.0) on NUMA node 1, whose CPUs "
+                            "(4-7,12-15) this process's cpuset (0-2) leaves none of)")  # fmt: skip
+    whole = target(host, 1, allowed=set(range(16)))
+    assert whole == target(host, 1)  # a cpuset that holds the node changes nothing
+
+
 def test_dry_run_prints_every_command_and_starts_nothing(
     host: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -181,6 +220,18 @@ def test_dry_run_prints_every_command_and_starts_nothing(
         cwd=work, env=env, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert "CUDA_VISIBLE_DEVICES" not in mine.stdout
+    # in a container confined to two of node 1's cores, the threads follow the cpuset
+    (host / "fs/cgroup").mkdir(parents=True)
+    (host / "fs/cgroup/cpuset.cpus.effective").write_text("0-1,6-7,14-15\n")
+    confined = subprocess.run(
+        [sys.executable, "-m", "api.cli", "run", "--dry-run", "--gpu", "1", "--model", "m.gguf"],
+        cwd=work, env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    lines = confined.stdout.splitlines()
+    assert lines[0] == ("# GPU 1 (0000:ca:00.0) on NUMA node 1, 2 physical cores "
+                        "(the cpuset allows 4 of its 8 CPUs: 6-7,14-15)")  # fmt: skip
+    assert "taskset -c 6-7,14-15 true" in lines
+    assert lines[-1].endswith("--threads 2 --model m.gguf")
 
 
 def answers_then_stops(srv: Server, max_tokens: int) -> None:
