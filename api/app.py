@@ -40,7 +40,9 @@ from api.tool_calls import detect as detect_tool_format
 from api.tool_calls import renders_tools
 from engine import moe_cache
 from engine.chat_template import ChatTemplate
+from engine.errors import ModelLoadCancelled
 from engine.expert_telemetry import ExpertTelemetry
+from engine.load_progress import LoadProgress
 from engine.model import Model
 from engine.runner import Engine
 from engine.tensor_layout import Placement, describe
@@ -50,11 +52,17 @@ from scheduler.loop import EngineLoop
 log = logging.getLogger(__name__)
 
 
-def _load(settings: ServerSettings) -> tuple[Model, list[Engine], Placement]:
+def _load(
+    settings: ServerSettings, progress: LoadProgress
+) -> tuple[Model, list[Engine], Placement]:
     """The model, the fast lane's engine and, when configured, the reproducible lane's:
     its own context, one KV stream per slot (`kv_unified=false`), every sequence decoded
-    alone (`solo`) — see api.lanes. Also where the weights went."""
-    model = Model(settings.engine)
+    alone (`solo`) — see api.lanes. Also where the weights went. A `progress.cancel()`
+    abandons it (`ModelLoadCancelled`) at the next tensor or step."""
+    model = Model(settings.engine, progress)
+    if progress.cancelled:  # (cancelled after the last tensor)
+        model.close()
+        raise ModelLoadCancelled("load cancelled once the weights were in")
     placement = describe(
         settings.engine, bool(model.ll.llama_supports_gpu_offload()), model.n_layer,
         model.n_expert,
@@ -69,6 +77,11 @@ def _load(settings: ServerSettings) -> tuple[Model, list[Engine], Placement]:
             device_greedy=False, n_ubatch=max(settings.engine.n_ubatch, lanes.chunk),
         )  # fmt: skip
         engines.append(Engine(model, ctx, solo=True))
+    if progress.cancelled:
+        for engine in engines:
+            engine.close()
+        model.close()
+        raise ModelLoadCancelled("load cancelled before serving")
     t0 = time.perf_counter()
     _ = model.grammars.tokenizer  # (holds the GIL for a while: never while serving)
     log.info("grammar tokenizer ready in %.1f s", time.perf_counter() - t0)
@@ -176,7 +189,8 @@ async def health(request: Request) -> Response:
     it drains: what a load balancer, Kubernetes or a container HEALTHCHECK needs."""
     state: ServerState | None = request.app.state.server
     if state is None:
-        return JSONResponse({"status": "loading"}, status_code=503)
+        progress = round(request.app.state.loading.fraction, 3)
+        return JSONResponse({"status": "loading", "progress": progress}, status_code=503)
     if not state.loop.is_running or state.draining:
         return JSONResponse({"status": "unavailable"}, status_code=503)
     return JSONResponse({"status": "ok"})
@@ -185,14 +199,17 @@ async def health(request: Request) -> Response:
 # While the model loads (minutes for a large one) /metrics answers, so that Prometheus sees
 # the process up and a loading server does not look like a dead one (OneGpuDown).
 LOADING_METRICS = (
-    b"# HELP onegpu_loading 1 while the model loads: the server listens before it serves\n"
-    b"# TYPE onegpu_loading gauge\nonegpu_loading 1.0\n"
+    "# HELP onegpu_loading 1 while the model loads: the server listens before it serves\n"
+    "# TYPE onegpu_loading gauge\nonegpu_loading 1.0\n"
+    "# HELP onegpu_load_progress Share of the weights' bytes loaded\n"
+    "# TYPE onegpu_load_progress gauge\nonegpu_load_progress {:.4f}\n"
 )
 
 
 async def metrics(request: Request) -> Response:
     if request.app.state.server is None:
-        return Response(LOADING_METRICS, media_type=CONTENT_TYPE)
+        text = LOADING_METRICS.format(request.app.state.loading.fraction)
+        return Response(text.encode(), media_type=CONTENT_TYPE)
     return Response(server_state(request).metrics.render(), media_type=CONTENT_TYPE)
 
 
@@ -221,11 +238,17 @@ def build_app(settings: ServerSettings) -> Starlette:
         loaded: list[tuple[Model, list[Engine]]] = []
 
         async def load() -> None:
+            progress = app.state.loading
             try:
-                model, engines, placement = await anyio.to_thread.run_sync(_load, settings)
+                model, engines, placement = await anyio.to_thread.run_sync(
+                    _load, settings, progress
+                )
                 loaded.append((model, engines))
                 state = _state(settings, model, engines, placement)
                 state.loop.start()
+            except ModelLoadCancelled as e:  # a stop signal came first: not a failure
+                log.info("%s: stopping", e)
+                return
             except Exception as e:
                 log.error("could not load the model: %s", e)
                 app.state.load_error = e
@@ -238,7 +261,7 @@ def build_app(settings: ServerSettings) -> Starlette:
         try:
             yield
         finally:
-            await loading  # (a load cannot be interrupted: it finishes, then is freed)
+            await loading  # (a stop signal during the load cancelled it: api.serve)
             state: ServerState | None = app.state.server
             if state is not None:
                 state.draining = True
@@ -269,6 +292,7 @@ def build_app(settings: ServerSettings) -> Starlette:
     )
     app.state.server = None  # (until the model has loaded)
     app.state.load_error = None
+    app.state.loading = LoadProgress()  # api.serve cancels it on a stop signal
     app.state.stop = lambda: None  # api.serve: ends the HTTP server (a failed load)
     keys = KeySet(settings.api_keys)
     if keys:

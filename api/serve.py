@@ -7,7 +7,8 @@ starts the drain: /health turns 503 and new requests get a 503 OpenAI error whil
 socket stays open; running requests finish for up to `--drain-seconds`; those still
 running then get an error event and `[DONE]` (a 503 body when not streaming); only then
 does uvicorn close the socket and exit. A second signal ends everything at once, as
-cleanly.
+cleanly. A signal while the model still loads abandons the load at its next tensor
+(minutes sooner for a large model) and exits as a stop does, not as a failed load.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         state: ServerState | None = getattr(self.app.state, "server", None)
         if state is None or self._aloop is None:  # not serving yet: nothing to drain
+            self.app.state.loading.cancel()  # a load in progress stops at its next tensor
             super().handle_exit(sig, frame)
             return
         self._signals += 1

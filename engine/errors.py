@@ -9,6 +9,10 @@ class ModelLoadError(EngineError):
     """The GGUF could not be loaded or a context could not be created."""
 
 
+class ModelLoadCancelled(ModelLoadError):
+    """The load was abandoned on request (`LoadProgress.cancel`): a stop, not a failure."""
+
+
 class KVCacheFull(EngineError):
     """`llama_decode` returned 1: no KV slot for the batch; the cache is as before the call."""
 

@@ -16,9 +16,10 @@ from engine import moe_cache
 from engine._capi import llama
 from engine.config import EngineConfig
 from engine.context import LLAMA_MAX_SEQ, Context
-from engine.errors import ModelLoadError
+from engine.errors import ModelLoadCancelled, ModelLoadError
 from engine.expert_tap import ExpertTap
 from engine.grammar import Grammars
+from engine.load_progress import LoadProgress
 from engine.placement import CpuOverrides
 
 log = logging.getLogger(__name__)
@@ -28,9 +29,10 @@ KV_PAD_CELLS = 256  # llama.cpp pads each sequence's KV stream to a multiple of 
 
 
 class Model:
-    """A loaded model plus its contexts (`main`: the shared lane). `close()` frees all."""
+    """A loaded model plus its contexts (`main`: the shared lane). `close()` frees all.
+    `progress` follows the load and can cancel it (`ModelLoadCancelled`)."""
 
-    def __init__(self, cfg: EngineConfig) -> None:
+    def __init__(self, cfg: EngineConfig, progress: LoadProgress | None = None) -> None:
         ll = llama()
         self.ll = ll
         self.cfg = cfg
@@ -44,9 +46,15 @@ class Model:
         overrides = CpuOverrides(ll, list(cfg.cpu_tensors)) if cfg.cpu_tensors else None
         if overrides is not None:
             mparams.tensor_buft_overrides = overrides.pointer
+        if progress is not None:
+            mparams.progress_callback = progress.callback(ll)
         self.model = ll.llama_model_load_from_file(str(path).encode(), mparams)
         del overrides  # llama.cpp read the patterns during the load
         if not self.model:
+            if progress is not None and progress.cancelled:
+                raise ModelLoadCancelled(
+                    f"load of {path} cancelled at {100 * progress.fraction:.0f}%"
+                )
             raise ModelLoadError(f"llama.cpp could not load {path}")
         self.vocab = ll.llama_model_get_vocab(self.model)
         self.n_vocab: int = ll.llama_vocab_n_tokens(self.vocab)

@@ -6,19 +6,23 @@ later."""
 
 from __future__ import annotations
 
+import re
+import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from starlette.testclient import TestClient
 
 import api.app
 from api.cli import _parser, serve_settings
 from bench.server_proc import free_port
-from tests.tiny_gguf import write_llama
+from engine.load_progress import LoadProgress
+from tests.tiny_gguf import Shape, write_hollow_llama, write_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,19 +37,21 @@ def test_health_says_loading_until_the_model_serves(
     gate = threading.Event()
     real_load = api.app._load
 
-    def held_load(s: api.app.ServerSettings) -> object:
+    def held_load(s: api.app.ServerSettings, progress: LoadProgress) -> object:
         assert gate.wait(60), "the test never opened the gate"
-        return real_load(s)
+        return real_load(s, progress)
 
     monkeypatch.setattr(api.app, "_load", held_load)
     with TestClient(api.app.build_app(settings)) as client:  # lifespan started: listening
         health = client.get("/health")
-        assert (health.status_code, health.json()) == (503, {"status": "loading"})
+        assert health.status_code == 503
+        assert health.json() == {"status": "loading", "progress": 0.0}
         early = client.post("/v1/completions", json={"model": "tiny", "prompt": "a"})
         assert early.status_code == 503
         assert "loading" in early.json()["error"]["message"]
         scrape = client.get("/metrics")  # Prometheus sees the process up, and loading
         assert scrape.status_code == 200 and "onegpu_loading 1.0" in scrape.text
+        assert "onegpu_load_progress 0.0000" in scrape.text
         gate.set()
         deadline = time.monotonic() + 60
         while client.get("/health").status_code != 200:  # the load finishing, bounded
@@ -71,3 +77,42 @@ def test_a_model_that_does_not_load_ends_the_server_with_an_error(tmp_path: Path
     )  # fmt: skip
     assert out.returncode == 1
     assert f"could not load the model: llama.cpp could not load {cut}" in out.stderr
+
+
+def test_a_stop_signal_during_the_load_abandons_it_and_exits_cleanly(tmp_path: Path) -> None:
+    """A large model takes minutes to load: a server stopped in that time stops at the next
+    tensor (the progress it had reached in the log), exits as a stopped server does and
+    never serves. The model
+    is 5.3 GB of zeros in a sparse file, read whole (`--no-mmap`): ~3.5 s here, while the
+    signal comes as soon as /metrics shows the first tensors in."""
+    shape = Shape(n_layer=16, n_embd=4096, n_head=32, n_head_kv=8, head_dim=128, n_ff=11008)
+    model = write_hollow_llama(tmp_path / "big.gguf", shape)
+    port = free_port()
+    log_path = tmp_path / "server.log"
+    with log_path.open("wb") as logf:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "api.cli", "serve", "--model", str(model), "--no-mmap",
+             "--port", str(port), "--n-ctx", "512", "--repro-slots", "0"],
+            cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        progress = 0.0
+        while progress == 0.0:  # until the load is under way, bounded by the deadline
+            assert proc.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, "the load never showed progress"
+            try:
+                text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+                progress = float(re.findall(r"^onegpu_load_progress (\S+)$", text, re.M)[0])
+            except httpx.TransportError:  # not listening yet
+                time.sleep(0.02)  # polling a condition, bounded by the deadline
+        assert progress < 1.0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) in (0, -signal.SIGTERM)  # (uvicorn re-raises what it handled)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = log_path.read_text()
+    cut = re.search(r"load of \S+ cancelled at (\d+)%: stopping", out)
+    assert cut is not None and int(cut.group(1)) < 100, out
+    assert "serving " not in out and "Traceback" not in out

@@ -114,6 +114,13 @@ def write_llama(
     )
 
 
+def write_hollow_llama(path: str | Path, shape: Shape) -> Path:
+    """A dense `llama` model of any size written in milliseconds: its weights are a hole in
+    a sparse file (all zeros), so it takes no disk, only the time and memory of a load —
+    what tests of a long load need."""
+    return _write("llama", Path(path), shape, 0, "f16", None, hollow=True)
+
+
 def write_qwen3moe(
     path: str | Path,
     *,
@@ -139,6 +146,7 @@ def _write(
     chat_template: str | None,
     split_max_tensors: int = 0,
     user_tokens: tuple[str, ...] = (),
+    hollow: bool = False,
 ) -> Path:
     tokens, scores, types = vocab(user_tokens)
     n_vocab = len(tokens)
@@ -146,6 +154,8 @@ def _write(
     dt = np.float16 if wtype == "f16" else np.float32
 
     def mat(*shape: int, std: float | None = None) -> np.ndarray:
+        if hollow:  # a zero-stride view: never materialised, never written
+            return np.broadcast_to(np.zeros((), dt), shape)
         # Default 1/sqrt(fan_in) (the last numpy axis): every layer moves the residual stream
         # as much as the embedding does, so outputs depend on context, and logits stay O(1).
         scale = shape[-1] ** -0.5 if std is None else std
@@ -155,6 +165,13 @@ def _write(
         return np.ones(n, dtype=np.float32)  # 1-D tensors stay f32, as converters write them
 
     w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
+
+    def put(name: str, t: np.ndarray) -> None:
+        if hollow:
+            w.add_tensor_info(name, t.shape, t.dtype, t.nbytes)
+        else:
+            w.add_tensor(name, t)
+
     w.add_name(f"tiny-{arch}")
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if wtype == "f16" else gguf.LlamaFileType.ALL_F32)
     w.add_context_length(s.n_ctx_train)
@@ -188,32 +205,40 @@ def _write(
 
     E, H, D = s.n_embd, s.n_head, s.head_dim
     kv = s.n_head_kv * D
-    w.add_tensor("token_embd.weight", mat(n_vocab, E, std=1.0))  # ggml {E, V}
-    w.add_tensor("output_norm.weight", norm(E))
-    w.add_tensor("output.weight", mat(n_vocab, E))  # ggml {E, V}
+    put("token_embd.weight", mat(n_vocab, E, std=1.0))  # ggml {E, V}
+    put("output_norm.weight", norm(E))
+    put("output.weight", mat(n_vocab, E))  # ggml {E, V}
     for i in range(s.n_layer):
         b = f"blk.{i}."
-        w.add_tensor(b + "attn_norm.weight", norm(E))
-        w.add_tensor(b + "attn_q.weight", mat(H * D, E))  # ggml {E, H*D}
-        w.add_tensor(b + "attn_k.weight", mat(kv, E))
-        w.add_tensor(b + "attn_v.weight", mat(kv, E))
-        w.add_tensor(b + "attn_output.weight", mat(E, H * D))  # ggml {H*D, E}
-        w.add_tensor(b + "ffn_norm.weight", norm(E))
+        put(b + "attn_norm.weight", norm(E))
+        put(b + "attn_q.weight", mat(H * D, E))  # ggml {E, H*D}
+        put(b + "attn_k.weight", mat(kv, E))
+        put(b + "attn_v.weight", mat(kv, E))
+        put(b + "attn_output.weight", mat(E, H * D))  # ggml {H*D, E}
+        put(b + "ffn_norm.weight", norm(E))
         if arch == "qwen3moe":
             X, F = s.n_expert, s.n_ff_exp
-            w.add_tensor(b + "attn_q_norm.weight", norm(D))
-            w.add_tensor(b + "attn_k_norm.weight", norm(D))
-            w.add_tensor(b + "ffn_gate_inp.weight", mat(X, E, std=1.0))  # ggml {E, X}
-            w.add_tensor(b + "ffn_gate_exps.weight", mat(X, F, E))  # ggml {E, F, X}
-            w.add_tensor(b + "ffn_up_exps.weight", mat(X, F, E))  # ggml {E, F, X}
-            w.add_tensor(b + "ffn_down_exps.weight", mat(X, E, F))  # ggml {F, E, X}
+            put(b + "attn_q_norm.weight", norm(D))
+            put(b + "attn_k_norm.weight", norm(D))
+            put(b + "ffn_gate_inp.weight", mat(X, E, std=1.0))  # ggml {E, X}
+            put(b + "ffn_gate_exps.weight", mat(X, F, E))  # ggml {E, F, X}
+            put(b + "ffn_up_exps.weight", mat(X, F, E))  # ggml {E, F, X}
+            put(b + "ffn_down_exps.weight", mat(X, E, F))  # ggml {F, E, X}
         else:
-            w.add_tensor(b + "ffn_gate.weight", mat(s.n_ff, E))  # ggml {E, F}
-            w.add_tensor(b + "ffn_up.weight", mat(s.n_ff, E))
-            w.add_tensor(b + "ffn_down.weight", mat(E, s.n_ff))  # ggml {F, E}
+            put(b + "ffn_gate.weight", mat(s.n_ff, E))  # ggml {E, F}
+            put(b + "ffn_up.weight", mat(s.n_ff, E))
+            put(b + "ffn_down.weight", mat(E, s.n_ff))  # ggml {F, E}
 
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+    if hollow:
+        w.write_ti_data_to_file()
+        out = w.fout[0] if w.fout else None
+        assert out is not None
+        w.write_padding(out, out.tell())
+        size = sum(w.ggml_pad(ti.nbytes, w.data_alignment) for ti in w.tensors[0].values())
+        out.truncate(out.tell() + size)
+    else:
+        w.write_tensors_to_file()
     w.close()
     return path
