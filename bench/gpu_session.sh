@@ -15,14 +15,26 @@
 #   typical, 1/8/32 sequences: the native decode-and-sample step), deploy-run (deploy/run.sh end
 #   to end: dry run, serve, a request), stall24 (both stalls, ours at 250 ms), multiturn-cpumoe
 #   (the chat with experts in RAM, our default target), ubatch-ab (experts in RAM: physical
-#   batches of 512 and 2048 rows). At the end every result file is concatenated into
+#   batches of 512 and 2048 rows), cache-cuda and cache-curve (the routed-expert cache on
+#   the GPU: its tests, then bench.routing_curve; with .gpu-pre/ from
+#   bench/gpu_crossbuild.sh nothing is built here). At the end every result file is concatenated into
 #   RESULTS/all.txt: the device returns only a few files.
 set -uo pipefail
 W=${1:?WORKDIR}; R=${2:?RESULTS}; shift 2
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(engine compare stall repro stall-cpumoe)
 mkdir -p "$R"
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; } > "$R/machine.txt"
-if [ ! -f "$W/env.sh" ] || [ ! -f "$W/moe30.gguf" ]; then
+CURVE_MODEL="$W/moe12.gguf"  # cache-curve's: 12 layers of the 30B-A3B shape (4 GiB)
+if [ -f .gpu-pre/llama-cuda.tar.xz ]; then  # built on the CPU machine: bench/gpu_crossbuild.sh
+  if [ ! -f "$W/env.sh" ]; then
+    bash bench/gpu_prebuilt.sh "$W" > "$R/build.txt" 2>&1 || { echo failed > "$R/build.failed"; exit 1; }
+  fi
+  if [[ " ${steps[*]} " == *" cache-curve "* ]] && [ ! -f "$CURVE_MODEL" ]; then
+    PYTHONPATH="$W/site" python3 .gpu-pre/synth_gguf.py "$CURVE_MODEL" --arch qwen3moe \
+      --layers 12 --embd 2048 --heads 32 --kv-heads 4 --head-dim 128 --ff 6144 --experts 128 \
+      --used 8 --ff-exp 768 --vocab 151936 > "$W/synth12.log" 2>&1 &
+  fi
+elif [ ! -f "$W/env.sh" ] || [ ! -f "$W/moe30.gguf" ]; then
   bash bench/gpu_build.sh "$W" > "$R/build.txt" 2>&1 || { echo failed > "$R/build.failed"; exit 1; }
 fi
 # shellcheck disable=SC1091
@@ -130,6 +142,15 @@ for s in "${steps[@]}"; do
       run multiturn-cpumoe-ub2048 python3 -m bench.multiturn --gpu --cpu-moe \
         --peer-bin "$PEER_BIN" --model "$MODEL" --n-ctx 139264 --scenario chat \
         --peer-args "--cache-ram 0 -ub 2048" --scenario-timeout 240 ;;
+    cache-cuda)  # issue 23: patch 0002's tests with the bank on the GPU, then the served e2e
+      ONEGPU_CACHE_TEST_DEVICE=CUDA0 run cache-cuda python3 -m pytest -q -p no:cacheprovider \
+        -W default tests/test_moe_cache.py
+      run cache-e2e python3 -m pytest -q -p no:cacheprovider -W default \
+        tests/test_expert_cache_e2e.py ;;
+    cache-curve)  # issue 23: hit rate and output rate by cache size, skewed routing, 4 users
+      wait  # (the model, written in the background since the start)
+      run cache-curve python3 -m bench.routing_curve --model "$CURVE_MODEL" --slots 0,32,64 \
+        --routings skewed --uploads 1 --rounds 1 --out 128 ;;
     tap-cost)  # paired, step by step (bench/tap_cost.py), then as a throughput difference
       run tapcost python3 -m bench.tap_cost --model "$MODEL" --concurrency 1 8 32 --steps 400
       run tapcost-throughput python3 -m bench.engine_step --model "$MODEL" --concurrency 1 8 32 \

@@ -7,10 +7,13 @@ read from its cache counters, over decode steps only (prompts are larger batches
 cache takes). Two upload caps: unlimited (every miss uploaded: the routing's own LRU
 curve) and the server's default of one expert a layer a step. Beside them, what a cache
 pinned to the most picked experts would serve (the planner's estimate, from the same
-run's pick counts) and the uniform line S / n_expert.
+run's pick counts) and the uniform line S / n_expert. Each point also gives the output
+rate of its traffic (tokens over the rounds' wall time, prompts included); size 0 is the
+server without a cache, the rate to compare with.
 
     python -m bench.routing_curve            # a generated 6-layer, 64-expert model
     python -m bench.routing_curve --model M  # any MoE GGUF whose router is F32
+    python -m bench.routing_curve --model M --slots 0,32,64 --routings skewed --uploads 1
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import logging
 import random
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +47,7 @@ class Point:
     hit_rate: float
     pinned: float  # the S most picked experts' share (same run's counts)
     picks: int
+    tok_s: float  # output tokens a second over the traffic (prompts included)
 
 
 def _counter(text: str, name: str, **labels: str) -> float:
@@ -53,10 +58,11 @@ def _counter(text: str, name: str, **labels: str) -> float:
     raise KeyError(name)
 
 
-async def _traffic(url: str, users: int, prompt: int, out: int, seed: int) -> None:
+async def _traffic(url: str, users: int, prompt: int, out: int, seed: int) -> int:
+    """One round: `users` requests at once; the output tokens they got."""
     rng = random.Random(seed)
 
-    async def one(h: httpx.AsyncClient, i: int) -> None:
+    async def one(h: httpx.AsyncClient, i: int) -> int:
         # each user's prompt on a topic of its own: words from a block of the vocabulary
         lo = 300 + 60 * (i + users * seed) % 420  # (a vocabulary of 836 tokens)
         body = {"model": "m", "prompt": [rng.randrange(lo, lo + 60) for _ in range(prompt)],
@@ -64,9 +70,10 @@ async def _traffic(url: str, users: int, prompt: int, out: int, seed: int) -> No
                 "ignore_eos": True}  # fmt: skip
         r = await h.post(url + "/v1/completions", json=body)
         r.raise_for_status()
+        return int(r.json()["usage"]["completion_tokens"])
 
     async with httpx.AsyncClient(timeout=600) as h:
-        await asyncio.gather(*(one(h, i) for i in range(users)))
+        return sum(await asyncio.gather(*(one(h, i) for i in range(users))))
 
 
 def measure(
@@ -80,16 +87,23 @@ def measure(
         work / f"{routing}-{slots}-{uploads}.log",
     )  # fmt: skip
     try:
+        t0, tokens = time.perf_counter(), 0
         for rnd in range(args.rounds):
-            asyncio.run(_traffic(srv.url, args.users, args.prompt, args.out, seed=rnd + 1))
-        text = httpx.get(srv.url + "/metrics").text
-        hits = _counter(text, "onegpu_expert_cache_picks_total", result="hit")
-        misses = _counter(text, "onegpu_expert_cache_picks_total", result="miss")
+            tokens += asyncio.run(
+                _traffic(srv.url, args.users, args.prompt, args.out, seed=rnd + 1)
+            )
+        wall = time.perf_counter() - t0
+        hits = misses = 0.0
+        if slots > 0:
+            text = httpx.get(srv.url + "/metrics").text
+            hits = _counter(text, "onegpu_expert_cache_picks_total", result="hit")
+            misses = _counter(text, "onegpu_expert_cache_picks_total", result="miss")
         pinned = load_picks(httpx.get(srv.url + "/experts/counts").content).hit(slots)
     finally:
         srv.stop()
     total = hits + misses
-    return Point(routing, slots, uploads, hits / total if total else 0.0, pinned, int(total))
+    return Point(routing, slots, uploads, hits / total if total else 0.0, pinned, int(total),
+                 tokens / wall)  # fmt: skip
 
 
 def _generated(path: Path) -> Path:
@@ -110,6 +124,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="rounds of users, new prompts each")
     p.add_argument("--skew", type=float, default=1.0)
     p.add_argument("--locality", type=float, default=0.5)
+    p.add_argument("--routings", default="uniform,skewed", help="which routings to measure")
+    p.add_argument(
+        "--uploads", default="all,1", help="upload caps (experts a layer a step; all = every miss)"
+    )
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     work = Path(tempfile.mkdtemp(prefix="routing-"))
@@ -118,25 +136,30 @@ def main() -> None:
     shutil.copyfile(base, skewed)
     skew_router(skewed, skew=a.skew, locality=a.locality, context=64, boost=8.0)
     n_expert = read_meta(str(base)).n_expert
-    points = [
-        measure(model, routing, s, uploads, a, work)
-        for routing, model in (("uniform", base), ("skewed", skewed))
-        for s in (int(x) for x in a.slots.split(","))
-        for uploads in (n_expert, 1)
-    ]
-    print(
-        f"| routing | slots (of {n_expert}) | LRU hit rate, uploads unlimited | "
-        "LRU, 1 upload a layer a step | most picked S (pinned) | S / n_expert | picks |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    by = {(pt.routing, pt.slots, pt.uploads): pt for pt in points}
-    for routing in ("uniform", "skewed"):
-        for s in (int(x) for x in a.slots.split(",")):
-            free, capped = by[(routing, s, n_expert)], by[(routing, s, 1)]
-            print(
-                f"| {routing} | {s} | {free.hit_rate:.1%} | {capped.hit_rate:.1%} | "
-                f"{free.pinned:.1%} | {s / n_expert:.1%} | {free.picks} |"
+    slots = [int(x) for x in a.slots.split(",")]
+    caps = [n_expert if u == "all" else int(u) for u in a.uploads.split(",")]
+    models = {"uniform": base, "skewed": skewed}
+    routings = a.routings.split(",")
+    points = {
+        (routing, s, cap): measure(models[routing], routing, s, cap, a, work)
+        for routing in routings
+        for s in slots
+        for cap in (caps if s > 0 else caps[:1])
+    }
+    head = " | ".join(f"uploads {'all' if c == n_expert else c}: hit rate, tok/s" for c in caps)
+    print(f"| routing | slots (of {n_expert}) | {head} | most picked S (pinned) | "
+          "S / n_expert | picks |")  # fmt: skip
+    print("|---|---:|" + "---:|" * len(caps) + "---:|---:|---:|")
+    for routing in routings:
+        for s in slots:
+            got = [points.get((routing, s, c)) for c in caps]
+            first = got[0]
+            assert first is not None
+            cells = " | ".join(
+                f"{pt.hit_rate:.1%}, {pt.tok_s:.1f}" if pt is not None else "" for pt in got
             )
+            print(f"| {routing} | {s} | {cells} | {first.pinned:.1%} | {s / n_expert:.1%} | "
+                  f"{first.picks} |")  # fmt: skip
     shutil.rmtree(work, ignore_errors=True)
 
 

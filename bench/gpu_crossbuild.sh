@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# On this CPU machine (no GPU, PyPI reachable): build llama.cpp for CUDA (sm_90: H100, H200)
+# with NVIDIA's toolkit wheels from PyPI, and pack the shared libraries and the peers'
+# binaries for the offline GPU host, where bench/gpu_prebuilt.sh sets them up in seconds —
+# the GPU host's device time then goes to measuring, not to a ~5 minute build.
+# Details: nvcc 13.0 (the GPU host's CUDA); an empty libcuda stub to link against (the
+# driver's real one resolves at run time); the CPU backend for x86-64-v3 (AVX2, FMA, F16C:
+# the GPU host's CPU is not known here; AMX off, as in every build of ours).
+#   Usage: bench/gpu_crossbuild.sh WORK OUT   (~1 h on 2 cores; OUT gets llama-cuda.tar.xz)
+set -euo pipefail
+W=${1:?WORK}; OUT=${2:?OUT}
+ver=0.3.36
+T="$W/site/nvidia/cu13"
+mkdir -p "$W" "$OUT"
+python3 -m pip install -q --target "$W/site" nvidia-cuda-nvcc==13.0.88 \
+  nvidia-cuda-runtime==13.0.96 nvidia-cublas==13.0.2.14 nvidia-cuda-cccl==13.0.85 \
+  nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88
+(cd "$T/lib" && ln -sf libcudart.so.13 libcudart.so && ln -sf libcublas.so.13 libcublas.so \
+  && ln -sf libcublasLt.so.13 libcublasLt.so && mkdir -p stubs)
+echo > "$W/empty.c"
+cc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$T/lib/stubs/libcuda.so" "$W/empty.c"
+ln -sfn lib "$T/lib64"
+rm -rf "$W/src" && mkdir -p "$W/src"
+tar xzf .gpu/llama-cpp-python-src.tgz -C "$W/src"  # bench/gpu_prepare.sh wrote it
+L="$W/src/llama_cpp_python-$ver/vendor/llama.cpp"
+for p in engine/llama_patches/*.patch; do patch -p1 -s -d "$L" < "$p"; done  # as make does
+PATH="$T/bin:$PATH" cmake -S "$L" -B "$W/build" -G Ninja -DGGML_CUDA=ON \
+  -DCMAKE_CUDA_ARCHITECTURES=90 -DCUDAToolkit_ROOT="$T" -DCMAKE_CUDA_COMPILER="$T/bin/nvcc" \
+  -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+  -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DLLAMA_CURL=OFF \
+  -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF \
+  -DLLAMA_USE_PREBUILT_UI=OFF -DBUILD_SHARED_LIBS=ON -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_EXE_LINKER_FLAGS="-Wl,--allow-shlib-undefined" > "$W/cmake.log"
+nice -n 10 cmake --build "$W/build" -j"$(nproc)" --target llama llama-batched-bench \
+  llama-server > "$W/build.log" 2>&1 || { tail -30 "$W/build.log"; exit 1; }
+strip --strip-unneeded "$W"/build/bin/*.so "$W"/build/bin/llama-{server,batched-bench}
+tar cJf "$OUT/llama-cuda.tar.xz" -C "$W/build/bin" \
+  $(cd "$W/build/bin" && ls ./*.so* llama-server llama-batched-bench)
+tar czf "$OUT/llama-cpp-python-pkg.tgz" -C "$W/src/llama_cpp_python-$ver" llama_cpp
+ls -la "$OUT"
