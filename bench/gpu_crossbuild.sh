@@ -3,9 +3,11 @@
 # with NVIDIA's toolkit wheels from PyPI, and pack the shared libraries and the peers'
 # binaries for the offline GPU host, where bench/gpu_prebuilt.sh sets them up in seconds —
 # the GPU host's device time then goes to measuring, not to a ~5 minute build.
-# Details: nvcc 13.0 (the GPU host's CUDA); an empty libcuda stub to link against (the
-# driver's real one resolves at run time); the CPU backend for x86-64-v3 (AVX2, FMA, F16C:
-# the GPU host's CPU is not known here; AMX off, as in every build of ours).
+# Details: nvcc 13.0 (the GPU host's CUDA); a stub libcuda.so.1 defining the driver calls
+# ggml-cuda makes (the driver's real library resolves them at run time: the stub only puts
+# it among the library's NEEDED ones — an empty stub is dropped by the linker and the
+# calls then have nowhere to resolve); the CPU backend for x86-64-v3 (AVX2, FMA, F16C: the
+# GPU host's CPU is not known here; AMX off, as in every build of ours).
 #   Usage: bench/gpu_crossbuild.sh WORK OUT   (~1 h on 2 cores; OUT gets llama-cuda.tar.xz)
 set -euo pipefail
 W=${1:?WORK}; OUT=${2:?OUT}
@@ -31,10 +33,21 @@ PATH="$T/bin:$PATH" cmake -S "$L" -B "$W/build" -G Ninja -DGGML_CUDA=ON \
   -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF \
   -DLLAMA_USE_PREBUILT_UI=OFF -DBUILD_SHARED_LIBS=ON -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_EXE_LINKER_FLAGS="-Wl,--allow-shlib-undefined" > "$W/cmake.log"
-nice -n 10 cmake --build "$W/build" -j"$(nproc)" --target llama llama-batched-bench \
-  llama-server > "$W/build.log" 2>&1 || { tail -30 "$W/build.log"; exit 1; }
-strip --strip-unneeded "$W"/build/bin/*.so "$W"/build/bin/llama-{server,batched-bench}
-tar cJf "$OUT/llama-cuda.tar.xz" -C "$W/build/bin" \
-  $(cd "$W/build/bin" && ls ./*.so* llama-server llama-batched-bench)
+build() {
+  nice -n 10 cmake --build "$W/build" -j"$(nproc)" --target llama llama-batched-bench \
+    llama-server > "$W/build.log" 2>&1 || { tail -30 "$W/build.log"; exit 1; }
+}
+build
+# the driver calls the library makes, defined in the stub; then link it again against that
+nm -D --undefined-only "$W/build/bin/libggml-cuda.so" \
+  | awk '/ cu[A-Z]/ {print "void " $2 "(void) {}"}' > "$W/stub.c"
+cc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$T/lib/stubs/libcuda.so" "$W/stub.c"
+rm -f "$W"/build/bin/libggml-cuda.so*
+build
+readelf -d "$W/build/bin/libggml-cuda.so" | grep -q 'libcuda.so.1' || { echo "no libcuda"; exit 1; }
+rm -rf "$W/pack" && mkdir -p "$W/pack"
+cp -a "$W"/build/bin/*.so* "$W"/build/bin/llama-server "$W"/build/bin/llama-batched-bench "$W/pack"
+strip --strip-unneeded "$W"/pack/*.so.* "$W"/pack/*-impl.so "$W"/pack/llama-{server,batched-bench}
+tar cJf "$OUT/llama-cuda.tar.xz" -C "$W/pack" .  # ~43 MB
 tar czf "$OUT/llama-cpp-python-pkg.tgz" -C "$W/src/llama_cpp_python-$ver" llama_cpp
 ls -la "$OUT"

@@ -23,7 +23,7 @@ set -uo pipefail
 W=${1:?WORKDIR}; R=${2:?RESULTS}; shift 2
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(engine compare stall repro stall-cpumoe)
 mkdir -p "$R"
-{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; } > "$R/machine.txt"
+{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; lscpu | grep -m1 "Model name"; nproc; } > "$R/machine.txt"
 CURVE_MODEL="$W/moe12.gguf"  # cache-curve's: 12 layers of the 30B-A3B shape (4 GiB)
 if [ -f .gpu-pre/llama-cuda.tar.xz ]; then  # built on the CPU machine: bench/gpu_crossbuild.sh
   if [ ! -f "$W/env.sh" ]; then
@@ -143,14 +143,17 @@ for s in "${steps[@]}"; do
         --peer-bin "$PEER_BIN" --model "$MODEL" --n-ctx 139264 --scenario chat \
         --peer-args "--cache-ram 0 -ub 2048" --scenario-timeout 240 ;;
     cache-cuda)  # issue 23: patch 0002's tests with the bank on the GPU, then the served e2e
-      ONEGPU_CACHE_TEST_DEVICE=CUDA0 run cache-cuda python3 -m pytest -q -p no:cacheprovider \
-        -W default tests/test_moe_cache.py
-      run cache-e2e python3 -m pytest -q -p no:cacheprovider -W default \
+      ONEGPU_CACHE_TEST_DEVICE=CUDA0 run cache-cuda timeout 120 python3 -m pytest -q \
+        -p no:cacheprovider -W default tests/test_moe_cache.py
+      run cache-e2e timeout 180 python3 -m pytest -q -p no:cacheprovider -W default \
         tests/test_expert_cache_e2e.py ;;
     cache-curve)  # issue 23: hit rate and output rate by cache size, skewed routing, 4 users
       wait  # (the model, written in the background since the start)
-      run cache-curve python3 -m bench.routing_curve --model "$CURVE_MODEL" --slots 0,32,64 \
-        --routings skewed --uploads 1 --rounds 1 --out 128 ;;
+      run cache-curve timeout 240 python3 -m bench.routing_curve --model "$CURVE_MODEL" --slots 0,32,64 \
+        --routings skewed --uploads 1 --rounds 1 --out 128
+      # the peer with every expert in RAM (its cost does not depend on the routing)
+      run cache-curve-peer timeout 90 "$PEER_BIN/llama-batched-bench" -m "$CURVE_MODEL" -ngl 99 --cpu-moe \
+        -c 8192 -b 2048 -ub 512 -npp 64 -ntg 128 -npl 1,4 -fa on ;;
     tap-cost)  # paired, step by step (bench/tap_cost.py), then as a throughput difference
       run tapcost python3 -m bench.tap_cost --model "$MODEL" --concurrency 1 8 32 --steps 400
       run tapcost-throughput python3 -m bench.engine_step --model "$MODEL" --concurrency 1 8 32 \
