@@ -42,6 +42,7 @@ from engine import moe_cache
 from engine.chat_template import ChatTemplate
 from engine.errors import ModelLoadCancelled
 from engine.expert_telemetry import ExpertTelemetry
+from engine.gguf_meta import split_parts
 from engine.load_progress import LoadProgress
 from engine.model import Model
 from engine.runner import Engine
@@ -230,6 +231,14 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
     return error_response(APIError("internal server error"))
 
 
+def _model_bytes(settings: ServerSettings) -> int:
+    """The model's files' size (every part of a split one); 0 where they cannot be read."""
+    try:
+        return sum(p.stat().st_size for p in split_parts(Path(settings.engine.model_path)))
+    except OSError:
+        return 0
+
+
 def build_app(settings: ServerSettings) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -292,7 +301,7 @@ def build_app(settings: ServerSettings) -> Starlette:
     )
     app.state.server = None  # (until the model has loaded)
     app.state.load_error = None
-    app.state.loading = LoadProgress()  # api.serve cancels it on a stop signal
+    app.state.loading = LoadProgress(_model_bytes(settings))  # api.serve may cancel it
     app.state.stop = lambda: None  # api.serve: ends the HTTP server (a failed load)
     keys = KeySet(settings.api_keys)
     if keys:

@@ -6,6 +6,7 @@ later."""
 
 from __future__ import annotations
 
+import logging
 import re
 import signal
 import subprocess
@@ -28,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_health_says_loading_until_the_model_serves(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     model = write_llama(tmp_path / "tiny.gguf", seed=2)
     args = _parser().parse_args(["serve", "--model", str(model), "--served-model-name", "tiny",
@@ -42,6 +43,7 @@ def test_health_says_loading_until_the_model_serves(
         return real_load(s, progress)
 
     monkeypatch.setattr(api.app, "_load", held_load)
+    caplog.set_level(logging.INFO, logger="engine.load_progress")
     with TestClient(api.app.build_app(settings)) as client:  # lifespan started: listening
         health = client.get("/health")
         assert health.status_code == 503
@@ -62,6 +64,9 @@ def test_health_says_loading_until_the_model_serves(
         )
         assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 2
         assert "onegpu_loading 0.0" in client.get("/metrics").text
+    # the log followed the load, a line a tenth of the weights
+    lines = [r.getMessage() for r in caplog.records if r.name == "engine.load_progress"]
+    assert lines[-1].startswith("loading the weights: 100% in ") and "GiB/s" in lines[-1]
 
 
 def test_a_model_that_does_not_load_ends_the_server_with_an_error(tmp_path: Path) -> None:
