@@ -184,7 +184,8 @@ def _plan_options(p: argparse.ArgumentParser) -> None:
         help="GPU memory the plan may use, e.g. 80GiB (default: the GPU's free memory)",
     )  # fmt: skip
     p.add_argument("--ram-budget", metavar="SIZE",
-                   help="host RAM the plan may use (default: MemAvailable)")  # fmt: skip
+                   help="host RAM the plan may use (default: MemAvailable, or less where "
+                        "a cgroup memory limit leaves less)")  # fmt: skip
     p.add_argument(
         "--vram-margin", metavar="SIZE", type=_size, default=None,
         help="VRAM kept for the CUDA context and allocator beyond the modelled buffers "

@@ -44,7 +44,7 @@ class PlanRefused(Exception):
 @dataclass(frozen=True, slots=True)
 class PlanRequest:
     vram_budget: str | None = None  # SIZE; None = the GPU's free memory
-    ram_budget: str | None = None  # SIZE; None = MemAvailable
+    ram_budget: str | None = None  # SIZE; None = MemAvailable, or less under a cgroup limit
     options: PlanOptions = field(default_factory=PlanOptions)  # KV, ubatch, contexts
 
 
@@ -55,7 +55,13 @@ def budgets(req: PlanRequest) -> Budgets:
     else:
         gpus = gpu_memory(llama())
         vram = gpus[0].free if gpus else 0
-    ram = parse_size(req.ram_budget) if req.ram_budget is not None else available_ram()
+    if req.ram_budget is not None:
+        ram = parse_size(req.ram_budget)
+    else:
+        host = available_ram()
+        ram = host.available
+        if host.cgroup is not None and host.cgroup < host.host:
+            log.info("RAM budget: %s", host.source)
     return Budgets(vram=vram, ram=ram)
 
 

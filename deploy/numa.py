@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.cgroup import parse_cpulist
+
 BUS_ID = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-9a-f]$")
 Runner = Callable[[Sequence[str]], subprocess.CompletedProcess[str]]
 
@@ -90,43 +92,6 @@ def nodes(root: Path) -> list[int]:
 def node_cpus(root: Path, node: int) -> list[int]:
     """The CPUs of `node`, from its cpulist ("0-15,32-47")."""
     return parse_cpulist((root / f"devices/system/node/node{node}/cpulist").read_text())
-
-
-def parse_cpulist(text: str) -> list[int]:
-    """CPUs from a cpulist ("0-15,32-47"), as sysfs and cgroups write them."""
-    cpus: list[int] = []
-    for part in filter(None, text.strip().split(",")):
-        lo, _, hi = part.partition("-")
-        cpus += range(int(lo), int(hi or lo) + 1)
-    return cpus
-
-
-def allowed_cpus(root: Path, cgroup_of: Path = Path("/proc/self/cgroup")) -> set[int] | None:
-    """The CPUs this process's cgroup allows; None where no cpuset says (or it cannot be
-    read). cgroup v2: `cpuset.cpus.effective` of the process's cgroup or, where that one
-    does not run the cpuset controller, of its nearest ancestor (whose set it inherits);
-    v1: the cpuset hierarchy's `cpuset.effective_cpus`."""
-    try:
-        lines = cgroup_of.read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":
-            base, name = root / "fs/cgroup", "cpuset.cpus.effective"
-        elif "cpuset" in controllers.split(","):
-            base, name = root / "fs/cgroup/cpuset", "cpuset.effective_cpus"
-        else:
-            continue
-        parts = [p for p in path.split("/") if p]
-        for depth in range(len(parts), -1, -1):
-            try:
-                text = (base.joinpath(*parts[:depth]) / name).read_text()
-            except OSError:
-                continue
-            cpus = parse_cpulist(text)
-            return set(cpus) if cpus else None
-    return None
 
 
 def physical_cores(root: Path, cpus: list[int]) -> int:

@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from deploy.download import DownloadError, Source, endpoint, fetch
-from deploy.numa import Target, allowed_cpus, candidates, choose, gpus, sysfs, target
+from deploy.numa import Target, candidates, choose, gpus, sysfs, target
+from engine.cgroup import allowed_cpus
 
 SERVE = [sys.executable, "-m", "api.cli", "serve"]
 
@@ -115,7 +116,7 @@ def dry_run(
 def main(argv: Sequence[str]) -> int:
     args, rest = parser().parse_known_args(argv)
     try:
-        t = target(sysfs(), args.gpu, allowed_cpus(sysfs()))
+        t = target(sysfs(), args.gpu, allowed_cpus(sysfs() / "fs/cgroup"))
         src = source(args, rest)
     except ValueError as e:
         sys.stderr.write(f"one-gpu run: {e}\n")

@@ -5,7 +5,9 @@ libggml that llama.cpp itself loaded — the same devices llama.cpp will allocat
 text parsing of nvidia-smi. RAM is `MemAvailable` from /proc/meminfo: the kernel's own
 estimate of what can be allocated without swapping (free pages plus reclaimable cache);
 no system call reports it, and `sysconf(_SC_AVPHYS_PAGES)` counts free pages only, which
-on a machine with a warm page cache badly understates what a server can use.
+on a machine with a warm page cache badly understates what a server can use. In a
+container the cgroup's memory limit may be tighter than the host (engine.cgroup): the
+smaller of the two counts.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.cgroup import CGROUP_OF, MOUNT, memory_headroom
 from engine.placement import libggml
 
 _GPU_TYPES = (1, 2)  # GGML_BACKEND_DEVICE_TYPE_GPU, GGML_BACKEND_DEVICE_TYPE_IGPU
@@ -52,9 +55,28 @@ def gpu_memory(ll: Any) -> list[GpuMemory]:
     return out
 
 
-def available_ram(meminfo: Path = Path("/proc/meminfo")) -> int:
-    """Bytes the kernel reports as available (MemAvailable)."""
+@dataclass(frozen=True, slots=True)
+class HostRam:
+    available: int  # bytes the process may use: the smaller of the two below
+    host: int  # MemAvailable
+    cgroup: int | None  # what the cgroup's memory limits leave (None: no limit)
+
+    @property
+    def source(self) -> str:
+        if self.cgroup is not None and self.cgroup < self.host:
+            return (f"the cgroup's memory limit leaves {self.cgroup / 2**30:.1f} GiB "
+                    f"(the host has {self.host / 2**30:.1f} GiB available)")  # fmt: skip
+        return "MemAvailable"
+
+
+def available_ram(
+    meminfo: Path = Path("/proc/meminfo"), mount: Path = MOUNT, cgroup_of: Path = CGROUP_OF
+) -> HostRam:
+    """Bytes the kernel reports as available (MemAvailable), capped by what the process's
+    cgroup memory limits leave."""
     for line in meminfo.read_text().splitlines():
         if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
+            host = int(line.split()[1]) * 1024
+            cgroup = memory_headroom(mount, cgroup_of)
+            return HostRam(host if cgroup is None else min(host, cgroup), host, cgroup)
     raise OSError(f"no MemAvailable in {meminfo}")

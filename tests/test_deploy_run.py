@@ -13,7 +13,7 @@ import pytest
 from openai import OpenAI
 
 from bench.server_proc import Server, free_port, start_process
-from deploy.numa import Binding, allowed_cpus, choose, target
+from deploy.numa import Binding, choose, target
 from tests.tiny_gguf import write_llama, write_qwen3moe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,26 +141,6 @@ def test_no_gpu_one_node_or_nothing_that_runs_serves_unbound_and_says_why(
     )
     b = choose(target(_sysfs(tmp_path / "two", GPUS, NODE_CPUS)))
     assert b.prefix == [] and "taskset -c 0-3,8-11: taskset: failed" in b.report
-
-
-def test_a_cpuset_the_process_has_is_read_from_its_cgroup(tmp_path: Path) -> None:
-    """cgroup v2: the nearest cgroup on the process's path with a cpuset (a container's
-    own cgroup runs none: its pod's set holds); v1: the cpuset hierarchy's; none: None."""
-    root = tmp_path / "sys"
-    pod = root / "fs/cgroup/kubepods/pod1"
-    (pod / "ctr").mkdir(parents=True)
-    (pod / "cpuset.cpus.effective").write_text("4-5,12\n")
-    (root / "fs/cgroup/cpuset.cpus.effective").write_text("0-15\n")
-    v2 = tmp_path / "v2"
-    v2.write_text("0::/kubepods/pod1/ctr\n")
-    assert allowed_cpus(root, v2) == {4, 5, 12}
-    v1 = tmp_path / "v1"
-    v1.write_text("4:memory:/docker/abc\n3:cpuset:/docker/abc\n0::/\n")
-    (root / "fs/cgroup/cpuset/docker/abc").mkdir(parents=True)
-    (root / "fs/cgroup/cpuset/docker/abc/cpuset.effective_cpus").write_text("1,3\n")
-    assert allowed_cpus(root, v1) == {1, 3}
-    assert allowed_cpus(tmp_path / "no-cgroups", v2) is None
-    assert allowed_cpus(root, tmp_path / "no-such-file") is None
 
 
 def test_a_cpuset_narrows_the_binding_to_the_node_s_cpus_it_allows(
