@@ -18,5 +18,6 @@ export LLAMA_CPP_LIB_PATH=$W/lib
 export LD_LIBRARY_PATH=$W/lib:$cuda\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}
 export PYTHONPATH=$W/site:$W:$PWD
 export PEER_BIN=$W/lib
+export MODEL=$W/moe30.gguf
 ENV
 echo "CUDA libraries from $cuda"

@@ -29,6 +29,13 @@ if [ -f .gpu-pre/llama-cuda.tar.xz ]; then  # built on the CPU machine: bench/gp
   if [ ! -f "$W/env.sh" ]; then
     bash bench/gpu_prebuilt.sh "$W" > "$R/build.txt" 2>&1 || { echo failed > "$R/build.failed"; exit 1; }
   fi
+  for s in "${steps[@]}"; do  # the other steps' model, as gpu_build.sh writes it
+    if [[ $s != cache-* ]] && [ ! -f "$W/moe30.gguf" ]; then
+      PYTHONPATH="$W/site" python3 .gpu-pre/synth_gguf.py "$W/moe30.gguf" --arch qwen3moe \
+        --layers 48 --embd 2048 --heads 32 --kv-heads 4 --head-dim 128 --ff 6144 \
+        --experts 128 --used 8 --ff-exp 768 --vocab 151936 > "$W/synth.log" 2>&1
+    fi
+  done
   if [[ " ${steps[*]} " == *" cache-curve "* ]] && [ ! -f "$CURVE_MODEL" ]; then
     PYTHONPATH="$W/site" python3 .gpu-pre/synth_gguf.py "$CURVE_MODEL" --arch qwen3moe \
       --layers 12 --embd 2048 --heads 32 --kv-heads 4 --head-dim 128 --ff 6144 --experts 128 \
