@@ -7,8 +7,9 @@ starts the drain: /health turns 503 and new requests get a 503 OpenAI error whil
 socket stays open; running requests finish for up to `--drain-seconds`; those still
 running then get an error event and `[DONE]` (a 503 body when not streaming); only then
 does uvicorn close the socket and exit. A second signal ends everything at once, as
-cleanly. A signal while the model still loads abandons the load at its next tensor
-(minutes sooner for a large model) and exits as a stop does, not as a failed load.
+cleanly. A signal while the model still loads abandons the load at its next tensor and
+exits as a stop does, not as a failed load (a mapped file is first read in whole, which
+a signal does not cut short: engine.load_progress).
 """
 
 from __future__ import annotations

@@ -8,9 +8,10 @@
 # it among the library's NEEDED ones — an empty stub is dropped by the linker and the
 # calls then have nowhere to resolve); the CPU backend for x86-64-v3 (AVX2, FMA, F16C: the
 # GPU host's CPU is not known here; AMX off, as in every build of ours).
-#   Usage: bench/gpu_crossbuild.sh WORK OUT   (~1 h on 2 cores; OUT gets llama-cuda.tar.xz)
+#   Usage: bench/gpu_crossbuild.sh WORK [OUT=.gpu-pre]   (~25 min on 2 cores; after
+#   bench/gpu_prepare.sh, whose .gpu/ it reads; carry OUT in the device call)
 set -euo pipefail
-W=${1:?WORK}; OUT=${2:?OUT}
+W=${1:?WORK}; OUT=${2:-.gpu-pre}
 ver=0.3.36
 T="$W/site/nvidia/cu13"
 mkdir -p "$W" "$OUT"
@@ -47,7 +48,10 @@ build
 readelf -d "$W/build/bin/libggml-cuda.so" | grep -q 'libcuda.so.1' || { echo "no libcuda"; exit 1; }
 rm -rf "$W/pack" && mkdir -p "$W/pack"
 cp -a "$W"/build/bin/*.so* "$W"/build/bin/llama-server "$W"/build/bin/llama-batched-bench "$W/pack"
-strip --strip-unneeded "$W"/pack/*.so.* "$W"/pack/*-impl.so "$W"/pack/llama-{server,batched-bench}
+find "$W/pack" -type f -exec strip --strip-unneeded {} +
 tar cJf "$OUT/llama-cuda.tar.xz" -C "$W/pack" .  # ~43 MB
 tar czf "$OUT/llama-cpp-python-pkg.tgz" -C "$W/src/llama_cpp_python-$ver" llama_cpp
+cp .gpu/*.whl .gpu/synth_gguf.py "$OUT/"  # what gpu_prebuilt.sh and gpu_session.sh read
+python3 -m pip download -q --no-deps -d "$OUT" pytest==9.2.0 pytest-timeout==2.4.0 \
+  pluggy iniconfig packaging pygments  # the cache-cuda step runs tests there
 ls -la "$OUT"

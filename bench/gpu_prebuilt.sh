@@ -12,7 +12,9 @@ cc -O2 -Wall -shared -fPIC -o engine/native/libexpert_tap.so engine/native/exper
 cc -O3 -march=native -fno-trapping-math -Wall -shared -fPIC -pthread \
   -o engine/native/libdecode_sample.so engine/native/decode_sample.c -lm
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$W/site" "$C"/*.whl
-cuda=$(dirname "$(find /usr /opt -name 'libcublasLt.so.13*' 2>/dev/null | head -1)")
+lt=$(find /usr/local/cuda* /usr /opt -name 'libcublasLt.so.13*' 2>/dev/null | head -1)
+[ -n "$lt" ] || { echo "no cuBLAS 13 on this host (libcublasLt.so.13)"; exit 1; }
+cuda=$(dirname "$lt")
 cat > "$W/env.sh" <<ENV
 export LLAMA_CPP_LIB_PATH=$W/lib
 export LD_LIBRARY_PATH=$W/lib:$cuda\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}

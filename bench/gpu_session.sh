@@ -31,15 +31,19 @@ if [ -f .gpu-pre/llama-cuda.tar.xz ]; then  # built on the CPU machine: bench/gp
   fi
   for s in "${steps[@]}"; do  # the other steps' model, as gpu_build.sh writes it
     if [[ $s != cache-* ]] && [ ! -f "$W/moe30.gguf" ]; then
-      PYTHONPATH="$W/site" python3 .gpu-pre/synth_gguf.py "$W/moe30.gguf" --arch qwen3moe \
+      PYTHONPATH="$W/site" python3 .gpu-pre/synth_gguf.py "$W/moe30.tmp" --arch qwen3moe \
         --layers 48 --embd 2048 --heads 32 --kv-heads 4 --head-dim 128 --ff 6144 \
-        --experts 128 --used 8 --ff-exp 768 --vocab 151936 > "$W/synth.log" 2>&1
+        --experts 128 --used 8 --ff-exp 768 --vocab 151936 > "$W/synth.log" 2>&1 \
+        && mv "$W/moe30.tmp" "$W/moe30.gguf" || { echo failed > "$R/build.failed"; exit 1; }
     fi
   done
   if [[ " ${steps[*]} " == *" cache-curve "* ]] && [ ! -f "$CURVE_MODEL" ]; then
-    PYTHONPATH="$W/site" python3 .gpu-pre/synth_gguf.py "$CURVE_MODEL" --arch qwen3moe \
+    # written beside the cache tests (not beside a timed step: cache-curve comes last)
+    (PYTHONPATH="$W/site" python3 .gpu-pre/synth_gguf.py "$CURVE_MODEL.tmp" --arch qwen3moe \
       --layers 12 --embd 2048 --heads 32 --kv-heads 4 --head-dim 128 --ff 6144 --experts 128 \
-      --used 8 --ff-exp 768 --vocab 151936 > "$W/synth12.log" 2>&1 &
+      --used 8 --ff-exp 768 --vocab 151936 > "$W/synth12.log" 2>&1 \
+      && mv "$CURVE_MODEL.tmp" "$CURVE_MODEL") &
+    synth12=$!
   fi
 elif [ ! -f "$W/env.sh" ] || [ ! -f "$W/moe30.gguf" ]; then
   bash bench/gpu_build.sh "$W" > "$R/build.txt" 2>&1 || { echo failed > "$R/build.failed"; exit 1; }
@@ -131,8 +135,9 @@ for s in "${steps[@]}"; do
         --n-ctx 32768
       PATH="$W/bin:$PATH" bash deploy/run.sh --model "$MODEL" --n-ctx 32768 --port 8091 \
         > "$R/deploy-serve.log" 2>&1 &
+      srv=$!
       run deploy-request python3 -m bench.deploy_smoke --port 8091 --log "$R/deploy-serve.log"
-      kill %1 2>/dev/null; wait ;;
+      kill "$srv" 2>/dev/null; wait "$srv" ;;
     stall24)  # issue 24: the stall policy, each with llama-server in the same run
       run stall python3 -m bench.stall --gpu --peer-bin "$PEER_BIN" --model "$MODEL" \
         --prompt-tokens 65000 --decoders 4
@@ -155,7 +160,8 @@ for s in "${steps[@]}"; do
       run cache-e2e timeout 180 python3 -m pytest -q -p no:cacheprovider -W default \
         tests/test_expert_cache_e2e.py ;;
     cache-curve)  # issue 23: hit rate and output rate by cache size, skewed routing, 4 users
-      wait  # (the model, written in the background since the start)
+      [ -n "${synth12:-}" ] && wait "$synth12"  # (written in the background since the start)
+      [ -f "$CURVE_MODEL" ] || { echo "no $CURVE_MODEL" > "$R/cache-curve.txt"; continue; }
       run cache-curve timeout 240 python3 -m bench.routing_curve --model "$CURVE_MODEL" --slots 0,32,64 \
         --routings skewed --uploads 1 --rounds 1 --out 128
       # the peer with every expert in RAM (its cost does not depend on the routing)

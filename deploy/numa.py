@@ -12,10 +12,12 @@ a message that is easy to miss, so the binding is tried strongest first — memo
 CPUs, CPUs only, `taskset` on the node's CPUs — each by running a no-op under it, and the
 report says which one held and why the others did not.
 
-A container (`--cpuset-cpus`) or Kubernetes' CPU manager may already confine the process
-to some CPUs: the binding then covers the node's CPUs that cgroup allows, and the decode
-threads count only those (llama.cpp's threads spin: more threads than CPUs thrash). A node
-the cgroup leaves no CPU of is not bound to, and the report says so.
+A container (`--cpuset-cpus`), Kubernetes' CPU manager, a `taskset` or systemd's
+`CPUAffinity=` may already confine the process to some CPUs: the binding then covers the
+node's CPUs among those, by list (`--physcpubind`: `--cpunodebind` would widen it to the
+whole node), and the decode threads count only those (llama.cpp's threads spin: more
+threads than CPUs thrash). A node that leaves no CPU of those is not bound to, and the
+report says so.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.cgroup import parse_cpulist
+from engine.cgroup import allowed_cpus, parse_cpulist
 
 BUS_ID = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-9a-f]$")
 Runner = Callable[[Sequence[str]], subprocess.CompletedProcess[str]]
@@ -121,8 +123,31 @@ def cpulist(cpus: list[int]) -> str:
     return ",".join(out)
 
 
-def candidates(node: int, cpus: list[int]) -> list[tuple[list[str], str]]:
-    """The bindings to try, strongest first, with what each gives."""
+def process_cpus(root: Path) -> set[int] | None:
+    """The CPUs this process may run on (None: no constraint): its cpuset's, read under
+    `root`'s cgroup mount, and on the real host its affinity too (a `taskset` or
+    `CPUAffinity=` the operator set; a cgroup tree mounted where it is not looked for).
+    A made-up sysfs tree (the tests') has CPUs of its own: this process's affinity, on
+    the real host, does not apply to it."""
+    cpus = allowed_cpus(root / "fs/cgroup")
+    if root == Path("/sys") and hasattr(os, "sched_getaffinity"):
+        mine = set(os.sched_getaffinity(0))
+        cpus = mine if cpus is None else (cpus & mine or mine)
+    return cpus
+
+
+def candidates(node: int, cpus: list[int], confined: bool = False) -> list[tuple[list[str], str]]:
+    """The bindings to try, strongest first, with what each gives; `confined`: the process
+    may use only `cpus` of the node, so they are bound by list."""
+    if confined:
+        where = cpulist(cpus)
+        return [
+            (["numactl", f"--physcpubind={where}", f"--preferred={node}"],
+             f"CPUs {where} and memory on node {node}"),
+            (["numactl", f"--physcpubind={where}"],
+             f"CPUs {where} of node {node}, memory anywhere"),
+            (["taskset", "-c", where], f"CPUs {where} of node {node} (taskset), memory anywhere"),
+        ]  # fmt: skip
     return [
         (["numactl", f"--cpunodebind={node}", f"--preferred={node}"],
          f"CPUs and memory on node {node}"),
@@ -185,7 +210,7 @@ def choose(t: Target | str, run: Runner = _run) -> Binding:
     if isinstance(t, str):
         return Binding([], f"binding: none ({t})")
     refused: list[str] = []
-    for prefix, gives in candidates(t.node, t.cpus):
+    for prefix, gives in candidates(t.node, t.cpus, bool(t.node_cpus)):
         why = _refusal(prefix, run)
         if why is None:
             also = f"; refused: {'; '.join(refused)}" if refused else ""

@@ -20,8 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from deploy.download import DownloadError, Source, endpoint, fetch
-from deploy.numa import Target, candidates, choose, gpus, sysfs, target
-from engine.cgroup import allowed_cpus
+from deploy.numa import Target, candidates, choose, gpus, process_cpus, sysfs, target
 
 SERVE = [sys.executable, "-m", "api.cli", "serve"]
 
@@ -101,7 +100,7 @@ def dry_run(
         prefix: list[str] = []
         threads = None
     else:
-        tries = candidates(t.node, t.cpus)
+        tries = candidates(t.node, t.cpus, bool(t.node_cpus))
         lines += [f"# {t.where}", "# binding: the first of these no-ops that runs:"]
         lines += [shlex.join([*p, "true"]) for p, _ in tries]
         prefix, threads = tries[0][0], t.cores
@@ -116,7 +115,7 @@ def dry_run(
 def main(argv: Sequence[str]) -> int:
     args, rest = parser().parse_known_args(argv)
     try:
-        t = target(sysfs(), args.gpu, allowed_cpus(sysfs() / "fs/cgroup"))
+        t = target(sysfs(), args.gpu, process_cpus(sysfs()))
         src = source(args, rest)
     except ValueError as e:
         sys.stderr.write(f"one-gpu run: {e}\n")

@@ -7,6 +7,8 @@ page cache the limit keeps reclaiming, so steps read them from disk again; read,
 process is killed — and threads counted from a NUMA node's CPUs would spin on CPUs the
 process may not use. Both are read from the process's own cgroup (`/proc/self/cgroup`)
 under the cgroup mount, in either layout: v2 (one hierarchy) or v1 (one per controller).
+What cannot be read or parsed counts as no constraint (None), never as an error: a
+server must not refuse to start over an odd cgroup file.
 """
 
 from __future__ import annotations
@@ -32,18 +34,21 @@ def _dirs(controller: str, mount: Path, cgroup_of: Path) -> list[Path]:
     hierarchy of that controller, then v2's); [] where /proc says nothing."""
     try:
         lines = cgroup_of.read_text().splitlines()
-    except OSError:
+    except (OSError, ValueError):
         return []
     out: list[Path] = []
     for line in lines:
-        _, controllers, path = line.split(":", 2)
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
         if controllers == "":
             base = mount
         elif controller in controllers.split(","):
             base = mount / controller
         else:
             continue
-        parts = [p for p in path.split("/") if p]
+        parts = [p for p in path.split("/") if p and p not in (".", "..")]
         out += [base.joinpath(*parts[:depth]) for depth in range(len(parts), -1, -1)]
     return out
 
@@ -52,7 +57,7 @@ def _read(d: Path, *names: str) -> str | None:
     for name in names:
         try:
             return (d / name).read_text()
-        except OSError:
+        except (OSError, ValueError):
             continue
     return None
 
@@ -63,32 +68,44 @@ def allowed_cpus(mount: Path = MOUNT, cgroup_of: Path = CGROUP_OF) -> set[int] |
     for d in _dirs("cpuset", mount, cgroup_of):
         text = _read(d, "cpuset.cpus.effective", "cpuset.effective_cpus")
         if text is not None:
-            cpus = parse_cpulist(text)
+            try:
+                cpus = parse_cpulist(text)
+            except ValueError:
+                return None
             return set(cpus) if cpus else None
     return None
 
 
 def memory_headroom(mount: Path = MOUNT, cgroup_of: Path = CGROUP_OF) -> int | None:
     """Bytes the process may still use under the memory limits of its cgroup and every
-    ancestor (the tightest counts): limit - usage + the inactive page cache the kernel
-    would reclaim first. None where no limit is set."""
+    ancestor (the tightest counts): limit - usage + the page cache charged there, which
+    the kernel reclaims before it refuses memory (MemAvailable counts it too: a model
+    just downloaded and checked sits in it). None where no limit is set."""
     room: int | None = None
     for d in _dirs("memory", mount, cgroup_of):
         limit = _read(d, "memory.max", "memory.limit_in_bytes")
         usage = _read(d, "memory.current", "memory.usage_in_bytes")
         if limit is None or usage is None or limit.strip() == "max":
             continue
-        cap = int(limit)
+        try:
+            cap, used = int(limit), int(usage)
+        except ValueError:
+            continue
         if cap >= UNLIMITED:
             continue
-        free = max(0, cap - int(usage)) + _inactive_file(d)
+        free = max(0, cap - used) + _file_cache(d)
         room = free if room is None else min(room, free)
     return room
 
 
-def _inactive_file(d: Path) -> int:
+def _file_cache(d: Path) -> int:
+    """The page cache charged to `d` and below (v1: its `total_` counts cover the subtree,
+    the plain ones only `d` itself; v2 counts the subtree)."""
+    stat: dict[str, int] = {}
     for line in (_read(d, "memory.stat") or "").splitlines():
         key, _, value = line.partition(" ")
-        if key in ("inactive_file", "total_inactive_file"):
-            return int(value)
-    return 0
+        if value.strip().isdigit():
+            stat[key] = int(value)
+    if "total_inactive_file" in stat:
+        return stat["total_inactive_file"] + stat.get("total_active_file", 0)
+    return stat.get("inactive_file", 0) + stat.get("active_file", 0)

@@ -6,7 +6,9 @@ llama.cpp calls a progress callback after each tensor it loads and abandons the 
 the callback returns false: the callback here records the fraction done (exported while the
 server loads) and returns false once `cancel()` has been called, e.g. from a signal handler.
 Every tenth of the weights it logs how far the load has got and at what rate, for an
-operator watching the log of a load that takes minutes.
+operator watching the log of a load that takes minutes. With the file mapped (the
+default) llama.cpp first has the kernel read it in whole (MAP_POPULATE) and reports the
+first tensor only then: progress stays at 0 and a stop waits for that read.
 """
 
 from __future__ import annotations
@@ -37,12 +39,18 @@ class LoadProgress:
         return self._cancel.is_set()
 
     def callback(self, ll: Any) -> Any:
-        """The `llama_progress_callback` to put in the model's parameters."""
+        """The `llama_progress_callback` to put in the model's parameters, just before the
+        load starts (its clock starts here: a mapped file is read in before the first
+        tensor is reported)."""
+        self._t0 = time.monotonic()
         if self._callback is None:
 
             def on_progress(fraction: float, _user: Any) -> bool:
                 self.fraction = fraction
-                self._log(fraction)
+                try:
+                    self._log(fraction)
+                except Exception:  # (an exception here would read as "stop the load")
+                    log.exception("load progress")
                 return not self._cancel.is_set()
 
             self._callback = ll.llama_progress_callback(on_progress)

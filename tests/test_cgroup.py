@@ -44,9 +44,9 @@ def _meminfo(tmp_path: Path, available: int) -> Path:
 
 
 def test_a_memory_limit_caps_the_ram_a_plan_may_use(tmp_path: Path) -> None:
-    """v2: a pod limited to 8 GiB (6 in use, 1 of it inactive page cache) on a host with
-    64 GiB available leaves 3 GiB; the container's own cgroup has no limit, a looser
-    ancestor does not count. Without any limit MemAvailable stands."""
+    """v2: a pod limited to 8 GiB (6 in use, 2 of it page cache the kernel would reclaim)
+    on a host with 64 GiB available leaves 4 GiB; the container's own cgroup has no
+    limit, a looser ancestor does not count. Without any limit MemAvailable stands."""
     mount = tmp_path / "cgroup"
     pod = mount / "kubepods/pod1"
     (pod / "ctr").mkdir(parents=True)
@@ -54,15 +54,17 @@ def test_a_memory_limit_caps_the_ram_a_plan_may_use(tmp_path: Path) -> None:
     (pod / "ctr/memory.current").write_text(f"{5 * GiB}\n")
     (pod / "memory.max").write_text(f"{8 * GiB}\n")
     (pod / "memory.current").write_text(f"{6 * GiB}\n")
-    (pod / "memory.stat").write_text(f"anon {4 * GiB}\nfile {2 * GiB}\ninactive_file {GiB}\n")
+    (pod / "memory.stat").write_text(
+        f"anon {4 * GiB}\nfile {2 * GiB}\nactive_file {GiB}\ninactive_file {GiB}\n"
+    )
     (mount / "kubepods/memory.max").write_text(f"{100 * GiB}\n")
     (mount / "kubepods/memory.current").write_text(f"{6 * GiB}\n")
     of = tmp_path / "cgroup-of"
     of.write_text("0::/kubepods/pod1/ctr\n")
-    assert memory_headroom(mount, of) == 3 * GiB
+    assert memory_headroom(mount, of) == 4 * GiB
     ram = available_ram(_meminfo(tmp_path, 64 * GiB), mount, of)
-    assert ram == HostRam(3 * GiB, 64 * GiB, 3 * GiB)
-    assert ram.source == ("the cgroup's memory limit leaves 3.0 GiB "
+    assert ram == HostRam(4 * GiB, 64 * GiB, 4 * GiB)
+    assert ram.source == ("the cgroup's memory limit leaves 4.0 GiB "
                           "(the host has 64.0 GiB available)")  # fmt: skip
     free = available_ram(_meminfo(tmp_path, 64 * GiB), tmp_path / "none", of)
     assert free == HostRam(64 * GiB, 64 * GiB, None) and free.source == "MemAvailable"
@@ -78,8 +80,27 @@ def test_v1_memory_limits_and_their_no_limit_value(tmp_path: Path) -> None:
     (d / "memory.usage_in_bytes").write_text(f"{GiB}\n")
     assert memory_headroom(mount, of) is None
     (d / "memory.limit_in_bytes").write_text(f"{16 * GiB}\n")
-    (d / "memory.stat").write_text(f"cache {GiB}\ntotal_inactive_file {GiB // 2}\n")
-    assert memory_headroom(mount, of) == 15 * GiB + GiB // 2
+    # v1's plain counts are the cgroup's own, its total_ ones the subtree's (usage's scope)
+    (d / "memory.stat").write_text(
+        f"cache {GiB}\ninactive_file 4096\nactive_file 0\n"
+        f"total_inactive_file {GiB // 2}\ntotal_active_file {GiB // 4}\n"
+    )
+    assert memory_headroom(mount, of) == 15 * GiB + GiB // 2 + GiB // 4
+
+
+def test_odd_cgroup_files_count_as_no_constraint(tmp_path: Path) -> None:
+    """A malformed line, a value that is not a number, a path that climbs out: no limit,
+    no cpuset, never an exception (a server must not refuse to start over them)."""
+    mount = tmp_path / "cgroup"
+    (mount / "a").mkdir(parents=True)
+    (mount / "a/memory.max").write_text("lots\n")
+    (mount / "a/memory.current").write_text("12\n")
+    (mount / "a/cpuset.cpus.effective").write_text("0-x\n")
+    of = tmp_path / "cgroup-of"
+    of.write_text("garbage\n0::/a\n")
+    assert memory_headroom(mount, of) is None and allowed_cpus(mount, of) is None
+    of.write_text("0::/../../etc\n")
+    assert memory_headroom(mount, of) is None
 
 
 def test_the_plan_s_ram_budget_is_what_the_cgroup_leaves_and_says_so(

@@ -149,11 +149,17 @@ def test_a_cpuset_narrows_the_binding_to_the_node_s_cpus_it_allows(
     """A container confined to some of the GPU node's CPUs binds to those and runs a
     decode thread per core it has, not per core the node has; confined elsewhere, it is
     not bound and the report says why."""
-    _stubs(tmp_path, monkeypatch, taskset="exit 0")
+    log = _stubs(tmp_path, monkeypatch, numactl=NUMACTL_EPERM, taskset="exit 0")
     b = choose(target(host, 1, allowed={0, 1, 5, 6, 13, 14}))  # node 1: 4-7,12-15
-    assert b.prefix == ["taskset", "-c", "5-6,13-14"]
+    # by list: --cpunodebind would widen the process to the whole node
+    assert _calls(log) == ["numactl --physcpubind=5-6,13-14 --preferred=1 true",
+                           "numactl --physcpubind=5-6,13-14 true"]  # fmt: skip
+    assert b.prefix == ["numactl", "--physcpubind=5-6,13-14"]
     assert b.threads == 2  # CPUs 5 and 13 are one core, 6 and 14 another
     assert "4 physical cores" not in b.report
+    (tmp_path / "t").mkdir()
+    _stubs(tmp_path / "t", monkeypatch, taskset="exit 0")
+    assert choose(target(host, 1, allowed={5, 13})).prefix == ["taskset", "-c", "5,13"]
     assert "2 physical cores (the cpuset allows 4 of its 8 CPUs: 5-6,13-14)" in b.report
     b = choose(target(host, 1, allowed={0, 1, 2}))
     assert b == Binding([], "binding: none (GPU 1 (0000:ca:00.0) on NUMA node 1, whose CPUs "
@@ -201,8 +207,9 @@ def test_dry_run_prints_every_command_and_starts_nothing(
     )  # fmt: skip
     assert "CUDA_VISIBLE_DEVICES" not in mine.stdout
     # in a container confined to two of node 1's cores, the threads follow the cpuset
-    (host / "fs/cgroup").mkdir(parents=True)
+    (host / "fs/cgroup/cpuset").mkdir(parents=True)  # v2's file, and v1's where v1 holds it
     (host / "fs/cgroup/cpuset.cpus.effective").write_text("0-1,6-7,14-15\n")
+    (host / "fs/cgroup/cpuset/cpuset.effective_cpus").write_text("0-1,6-7,14-15\n")
     confined = subprocess.run(
         [sys.executable, "-m", "api.cli", "run", "--dry-run", "--gpu", "1", "--model", "m.gguf"],
         cwd=work, env=env, capture_output=True, text=True, timeout=60, check=False,
