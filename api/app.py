@@ -61,9 +61,6 @@ def _load(
     alone (`solo`) — see api.lanes. Also where the weights went. A `progress.cancel()`
     abandons it (`ModelLoadCancelled`) at the next tensor or step."""
     model = Model(settings.engine, progress)
-    if progress.cancelled:  # (cancelled after the last tensor)
-        model.close()
-        raise ModelLoadCancelled("load cancelled once the weights were in")
     placement = describe(
         settings.engine, bool(model.ll.llama_supports_gpu_offload()), model.n_layer,
         model.n_expert,

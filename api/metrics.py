@@ -369,17 +369,22 @@ class _AtScrape:
         return self.series()
 
 
+def _by_label(name: str, doc: str, label: str, values: dict[str, float]) -> Metric:
+    """A counter family with one series per value of `label`."""
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for value, count in values.items():
+        family.add_metric([value], count)
+    return family
+
+
 def _expert_series(r: ExpertReport) -> Iterator[Metric]:
     """The sampled router counts as series."""
-    picks = CounterMetricFamily(
+    yield _by_label(
         "onegpu_expert_picks",
         "Sampled expert picks by where the expert's weights live (a layer split between "
         "devices counts by its share of bytes)",
-        labels=["residence"],
-    )
-    picks.add_metric(["gpu"], r.gpu_picks)
-    picks.add_metric(["ram"], r.picks - r.gpu_picks)
-    yield picks
+        "residence", {"gpu": r.gpu_picks, "ram": r.picks - r.gpu_picks},
+    )  # fmt: skip
     yield GaugeMetricFamily(
         "onegpu_expert_gpu_pick_share",
         "Share of sampled expert picks served by GPU-resident expert tensors",
@@ -399,15 +404,12 @@ def _expert_series(r: ExpertReport) -> Iterator[Metric]:
 def _cache_series(snap: CacheSnapshot) -> Iterator[Metric]:
     """The routed-expert cache's counters (engine.moe_cache) as series."""
     st = snap.total
-    picks = CounterMetricFamily(
+    yield _by_label(
         "onegpu_expert_cache_picks",
         "Routed picks of cached layers in small batches: served from the GPU's cache (hit) "
         "or from host RAM (miss)",
-        labels=["result"],
-    )
-    picks.add_metric(["hit"], st.hits)
-    picks.add_metric(["miss"], st.misses)
-    yield picks
+        "result", {"hit": st.hits, "miss": st.misses},
+    )  # fmt: skip
     per_layer = CounterMetricFamily(
         "onegpu_expert_cache_layer_picks", "The same picks by layer", labels=["layer", "result"]
     )

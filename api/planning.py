@@ -60,7 +60,7 @@ def budgets(req: PlanRequest) -> Budgets:
     else:
         host = available_ram()
         ram = host.available
-        if host.cgroup is not None and host.cgroup < host.host:
+        if host.capped:
             log.info("RAM budget: %s", host.source)
     return Budgets(vram=vram, ram=ram)
 

@@ -29,20 +29,19 @@ if [ -f .gpu-pre/llama-cuda.tar.xz ]; then  # built on the CPU machine: bench/gp
   if [ ! -f "$W/env.sh" ]; then
     bash bench/gpu_prebuilt.sh "$W" > "$R/build.txt" 2>&1 || { echo failed > "$R/build.failed"; exit 1; }
   fi
-  for s in "${steps[@]}"; do  # the other steps' model, as gpu_build.sh writes it
+  synth() {  # OUT LAYERS: the Qwen3-30B-A3B shape (as gpu_build.sh writes it), atomically
+    PYTHONPATH="$W/site" python3 .gpu-pre/synth_gguf.py "$1.tmp" --arch qwen3moe \
+      --layers "$2" --embd 2048 --heads 32 --kv-heads 4 --head-dim 128 --ff 6144 \
+      --experts 128 --used 8 --ff-exp 768 --vocab 151936 > "$1.log" 2>&1 && mv "$1.tmp" "$1"
+  }
+  for s in "${steps[@]}"; do  # the other steps' model
     if [[ $s != cache-* ]] && [ ! -f "$W/moe30.gguf" ]; then
-      PYTHONPATH="$W/site" python3 .gpu-pre/synth_gguf.py "$W/moe30.tmp" --arch qwen3moe \
-        --layers 48 --embd 2048 --heads 32 --kv-heads 4 --head-dim 128 --ff 6144 \
-        --experts 128 --used 8 --ff-exp 768 --vocab 151936 > "$W/synth.log" 2>&1 \
-        && mv "$W/moe30.tmp" "$W/moe30.gguf" || { echo failed > "$R/build.failed"; exit 1; }
+      synth "$W/moe30.gguf" 48 || { echo failed > "$R/build.failed"; exit 1; }
     fi
   done
   if [[ " ${steps[*]} " == *" cache-curve "* ]] && [ ! -f "$CURVE_MODEL" ]; then
     # written beside the cache tests (not beside a timed step: cache-curve comes last)
-    (PYTHONPATH="$W/site" python3 .gpu-pre/synth_gguf.py "$CURVE_MODEL.tmp" --arch qwen3moe \
-      --layers 12 --embd 2048 --heads 32 --kv-heads 4 --head-dim 128 --ff 6144 --experts 128 \
-      --used 8 --ff-exp 768 --vocab 151936 > "$W/synth12.log" 2>&1 \
-      && mv "$CURVE_MODEL.tmp" "$CURVE_MODEL") &
+    synth "$CURVE_MODEL" 12 &
     synth12=$!
   fi
 elif [ ! -f "$W/env.sh" ] || [ ! -f "$W/moe30.gguf" ]; then

@@ -132,14 +132,15 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     work = Path(tempfile.mkdtemp(prefix="routing-"))
     base = a.model or _generated(work / "moe.gguf")
+    routings = a.routings.split(",")
     skewed = work / "skewed.gguf"
-    shutil.copyfile(base, skewed)
-    skew_router(skewed, skew=a.skew, locality=a.locality, context=64, boost=8.0)
+    if "skewed" in routings:  # (a copy of the model: only when measured)
+        shutil.copyfile(base, skewed)
+        skew_router(skewed, skew=a.skew, locality=a.locality, context=64, boost=8.0)
     n_expert = read_meta(str(base)).n_expert
     slots = [int(x) for x in a.slots.split(",")]
     caps = [n_expert if u == "all" else int(u) for u in a.uploads.split(",")]
     models = {"uniform": base, "skewed": skewed}
-    routings = a.routings.split(",")
     points = {
         (routing, s, cap): measure(models[routing], routing, s, cap, a, work)
         for routing in routings

@@ -136,11 +136,12 @@ def process_cpus(root: Path) -> set[int] | None:
     return cpus
 
 
-def candidates(node: int, cpus: list[int], confined: bool = False) -> list[tuple[list[str], str]]:
-    """The bindings to try, strongest first, with what each gives; `confined`: the process
-    may use only `cpus` of the node, so they are bound by list."""
-    if confined:
-        where = cpulist(cpus)
+def candidates(t: Target) -> list[tuple[list[str], str]]:
+    """The bindings to try, strongest first, with what each gives; a node the process may
+    use only some CPUs of is bound by their list."""
+    node = t.node
+    if t.confined:
+        where = cpulist(t.cpus)
         return [
             (["numactl", f"--physcpubind={where}", f"--preferred={node}"],
              f"CPUs {where} and memory on node {node}"),
@@ -152,7 +153,7 @@ def candidates(node: int, cpus: list[int], confined: bool = False) -> list[tuple
         (["numactl", f"--cpunodebind={node}", f"--preferred={node}"],
          f"CPUs and memory on node {node}"),
         (["numactl", f"--cpunodebind={node}"], f"CPUs on node {node}, memory anywhere"),
-        (["taskset", "-c", cpulist(cpus)], f"CPUs of node {node} (taskset), memory anywhere"),
+        (["taskset", "-c", cpulist(t.cpus)], f"CPUs of node {node} (taskset), memory anywhere"),
     ]  # fmt: skip
 
 
@@ -171,9 +172,13 @@ class Target:
     node_cpus: int = 0  # all the node's CPUs, where a cpuset leaves fewer (else 0)
 
     @property
+    def confined(self) -> bool:
+        return self.node_cpus > 0
+
+    @property
     def where(self) -> str:
         confined = (f" (the cpuset allows {len(self.cpus)} of its {self.node_cpus} CPUs: "
-                    f"{cpulist(self.cpus)})" if self.node_cpus else "")  # fmt: skip
+                    f"{cpulist(self.cpus)})" if self.confined else "")  # fmt: skip
         return (f"GPU {self.gpu.index} ({self.gpu.bus_id}) on NUMA node {self.node}, "
                 f"{self.cores} physical cores{confined}")  # fmt: skip
 
@@ -210,7 +215,7 @@ def choose(t: Target | str, run: Runner = _run) -> Binding:
     if isinstance(t, str):
         return Binding([], f"binding: none ({t})")
     refused: list[str] = []
-    for prefix, gives in candidates(t.node, t.cpus, bool(t.node_cpus)):
+    for prefix, gives in candidates(t):
         why = _refusal(prefix, run)
         if why is None:
             also = f"; refused: {'; '.join(refused)}" if refused else ""

@@ -100,7 +100,7 @@ def dry_run(
         prefix: list[str] = []
         threads = None
     else:
-        tries = candidates(t.node, t.cpus, bool(t.node_cpus))
+        tries = candidates(t)
         lines += [f"# {t.where}", "# binding: the first of these no-ops that runs:"]
         lines += [shlex.join([*p, "true"]) for p, _ in tries]
         prefix, threads = tries[0][0], t.cores

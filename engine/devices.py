@@ -62,8 +62,13 @@ class HostRam:
     cgroup: int | None  # what the cgroup's memory limits leave (None: no limit)
 
     @property
+    def capped(self) -> bool:
+        """Whether the cgroup's limit, not the host, sets `available`."""
+        return self.cgroup is not None and self.cgroup < self.host
+
+    @property
     def source(self) -> str:
-        if self.cgroup is not None and self.cgroup < self.host:
+        if self.cgroup is not None and self.capped:
             return (f"the cgroup's memory limit leaves {self.cgroup / 2**30:.1f} GiB "
                     f"(the host has {self.host / 2**30:.1f} GiB available)")  # fmt: skip
         return "MemAvailable"
