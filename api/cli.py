@@ -80,6 +80,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--expert-cache-uploads", type=int, default=1, metavar="N",
                    help="experts a cached layer uploads after a step at most")  # fmt: skip
     s.add_argument(
+        "--expert-cache-admission", type=float, default=0.0, metavar="PICKS",
+        help="a missed expert enters a full bank only when its recent picks (each decaying "
+        "5%% a step) beat the weakest cached expert's by this many (0 = LRU: every miss)",
+    )  # fmt: skip
+    s.add_argument(
         "--device-greedy", choices=["auto", "on", "off"], default="off",
         help="sample plain greedy requests inside the graph (auto: when on a GPU; "
         "off by default: slower on the H200 at 32 users)",
@@ -368,6 +373,7 @@ def serve_settings(args: argparse.Namespace) -> ServerSettings:
         # a number: that many slots even without a plan (placement by hand, or no GPU: a
         # cache on the CPU, for tests); auto: as the plan splits the experts' VRAM
         expert_cache_slots=max(0, args.expert_cache_slots),
+        expert_cache_admission=max(0.0, args.expert_cache_admission),
         expert_cache_uploads=args.expert_cache_uploads,
         use_mmap=not args.no_mmap,
     )

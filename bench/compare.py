@@ -54,6 +54,7 @@ class Setup:
     threads: int
     gpu: bool
     ours_extra: list[str] = field(default_factory=list)
+    theirs_extra: list[str] = field(default_factory=list)  # more llama-server options
     ours_default_threads: bool = False  # our server picks its own thread count
     n_batch: int = 2048
     n_ubatch: int = 512
@@ -131,6 +132,7 @@ class Setup:
             "127.0.0.1",
             "--port",
             str(port),
+            *self.theirs_extra,
         ]
         return start_process(cmd, port, log_path)
 

@@ -23,10 +23,25 @@ python3 -m pip install -q --target "$W/site" nvidia-cuda-nvcc==13.0.88 \
 echo > "$W/empty.c"
 cc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$T/lib/stubs/libcuda.so" "$W/empty.c"
 ln -sfn lib "$T/lib64"
-rm -rf "$W/src" && mkdir -p "$W/src"
-tar xzf .gpu/llama-cpp-python-src.tgz -C "$W/src"  # bench/gpu_prepare.sh wrote it
+rm -rf "$W/fresh" && mkdir -p "$W/fresh" "$W/src"
+tar xzf .gpu/llama-cpp-python-src.tgz -C "$W/fresh"  # bench/gpu_prepare.sh wrote it
+for p in engine/llama_patches/*.patch; do  # as make does
+  patch -p1 -s -d "$W/fresh/llama_cpp_python-$ver/vendor/llama.cpp" < "$p"
+done
+# into the build's tree, only the files that differ: a patch edited since the last build in
+# this WORK recompiles what it touches, not the whole of ggml-cuda (~20 min on 2 cores)
+python3 - "$W/fresh" "$W/src" <<'PY'
+import filecmp, os, shutil, sys
+src, dst = sys.argv[1:]
+for root, _, files in os.walk(src):
+    out = os.path.join(dst, os.path.relpath(root, src))
+    os.makedirs(out, exist_ok=True)
+    for f in files:
+        a, b = os.path.join(root, f), os.path.join(out, f)
+        if not os.path.exists(b) or not filecmp.cmp(a, b, shallow=False):
+            shutil.copy2(a, b) if not os.path.exists(b) else shutil.copyfile(a, b)
+PY
 L="$W/src/llama_cpp_python-$ver/vendor/llama.cpp"
-for p in engine/llama_patches/*.patch; do patch -p1 -s -d "$L" < "$p"; done  # as make does
 PATH="$T/bin:$PATH" cmake -S "$L" -B "$W/build" -G Ninja -DGGML_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES=90 -DCUDAToolkit_ROOT="$T" -DCMAKE_CUDA_COMPILER="$T/bin/nvcc" \
   -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
@@ -50,8 +65,4 @@ rm -rf "$W/pack" && mkdir -p "$W/pack"
 cp -a "$W"/build/bin/*.so* "$W"/build/bin/llama-server "$W"/build/bin/llama-batched-bench "$W/pack"
 find "$W/pack" -type f -exec strip --strip-unneeded {} +
 tar cJf "$OUT/llama-cuda.tar.xz" -C "$W/pack" .  # ~43 MB
-tar czf "$OUT/llama-cpp-python-pkg.tgz" -C "$W/src/llama_cpp_python-$ver" llama_cpp
-cp .gpu/*.whl .gpu/synth_gguf.py "$OUT/"  # what gpu_prebuilt.sh and gpu_session.sh read
-python3 -m pip download -q --no-deps -d "$OUT" pytest==9.2.0 pytest-timeout==2.4.0 \
-  pluggy iniconfig packaging pygments  # the cache-cuda step runs tests there
-ls -la "$OUT"
+bash bench/gpu_kit.sh "$OUT" "$OUT"  # the Python package and the wheels beside it

@@ -24,29 +24,30 @@ W=${1:?WORKDIR}; R=${2:?RESULTS}; shift 2
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(engine compare stall repro stall-cpumoe)
 mkdir -p "$R"
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; lscpu | grep -m1 "Model name"; nproc; } > "$R/machine.txt"
-CURVE_MODEL="$W/moe12.gguf"  # cache-curve's: 12 layers of the 30B-A3B shape (4 GiB)
-if [ -f .gpu-pre/llama-cuda.tar.xz ]; then  # built on the CPU machine: bench/gpu_crossbuild.sh
-  if [ ! -f "$W/env.sh" ]; then
+CURVE_MODEL="$W/moe12.gguf"  # cache-curve's and the serve check's: 12 layers of the 30B-A3B shape (4 GiB)
+KIT=.gpu-pre; [ -f .gpu-pre/llama-cuda.tar.xz ] || KIT=.gpu
+if [ ! -f "$W/env.sh" ]; then
+  if [ $KIT = .gpu-pre ]; then  # built on the CPU machine: bench/gpu_crossbuild.sh
     bash bench/gpu_prebuilt.sh "$W" > "$R/build.txt" 2>&1 || { echo failed > "$R/build.failed"; exit 1; }
+  else  # built here (~5 min on 16 cores), and packed into RESULTS/pack for the next calls
+    PACK="$R/pack" bash bench/gpu_build.sh "$W" > "$R/build.txt" 2>&1 \
+      || { echo failed > "$R/build.failed"; exit 1; }
   fi
-  synth() {  # OUT LAYERS: the Qwen3-30B-A3B shape (as gpu_build.sh writes it), atomically
-    PYTHONPATH="$W/site" python3 .gpu-pre/synth_gguf.py "$1.tmp" --arch qwen3moe \
-      --layers "$2" --embd 2048 --heads 32 --kv-heads 4 --head-dim 128 --ff 6144 \
-      --experts 128 --used 8 --ff-exp 768 --vocab 151936 > "$1.log" 2>&1 && mv "$1.tmp" "$1"
-  }
-  for s in "${steps[@]}"; do  # the other steps' model
-    if [[ $s != cache-* ]] && [ ! -f "$W/moe30.gguf" ]; then
-      synth "$W/moe30.gguf" 48 || { echo failed > "$R/build.failed"; exit 1; }
-    fi
-  done
-  if [[ " ${steps[*]} " == *" cache-curve "* ]] && [ ! -f "$CURVE_MODEL" ]; then
-    # written beside the cache tests (not beside a timed step: cache-curve comes last)
-    synth "$CURVE_MODEL" 12 &
-    synth12=$!
-  fi
-elif [ ! -f "$W/env.sh" ] || [ ! -f "$W/moe30.gguf" ]; then
-  bash bench/gpu_build.sh "$W" > "$R/build.txt" 2>&1 || { echo failed > "$R/build.failed"; exit 1; }
 fi
+synth() {  # OUT LAYERS: the Qwen3-30B-A3B shape (as gpu_build.sh writes it), atomically
+  [ -f "$1" ] && return 0
+  PYTHONPATH="$W/site" python3 -m bench.synth_moe "$1.tmp" --arch qwen3moe \
+    --layers "$2" --embd 2048 --heads 32 --kv-heads 4 --head-dim 128 --ff 6144 \
+    --experts 128 --used 8 --ff-exp 768 --vocab 151936 > "$1.log" 2>&1 && mv "$1.tmp" "$1"
+}
+synth "$CURVE_MODEL" 12 || { echo "no $CURVE_MODEL" > "$R/build.failed"; exit 1; }
+for s in "${steps[@]}"; do  # the other steps' model, written while the first steps run
+  if [[ $s != cache-cuda && $s != cache-e2e && $s != cache-curve ]] && [ ! -f "$W/moe30.gguf" ]; then
+    synth "$W/moe30.gguf" 48 &
+    synth30=$!
+    break
+  fi
+done
 # shellcheck disable=SC1091
 source "$W/env.sh"
 run() {  # name, command...
@@ -56,7 +57,18 @@ run() {  # name, command...
   "$@" >> "$R/$name.txt" 2> "$R/$name.log"
   echo "rc=$? seconds=$((SECONDS - t0))" >> "$R/$name.txt"
 }
+# the kit must serve before anything is measured: our server on the synthetic model, with
+# the routed-expert cache, answers one request (else the run stops here, saying why)
+if [ -f "$CURVE_MODEL" ]; then
+  run serve-check timeout 300 python3 -m bench.gpu_serve_check --model "$CURVE_MODEL" -- \
+    --cpu-moe --expert-cache-slots 16
+  grep -q "^served:" "$R/serve-check.txt" || { cp "$R/serve-check.txt" "$R/build.failed"; exit 1; }
+fi
 for s in "${steps[@]}"; do
+  if [ -n "${synth30:-}" ] && [[ $s != cache-cuda && $s != cache-e2e && $s != cache-curve ]]; then
+    wait "$synth30" || { echo "no moe30.gguf" > "$R/$s.txt"; }
+    synth30=
+  fi
   case $s in
     engine) run engine python3 -m bench.engine_step --model "$MODEL" --concurrency 1 4 8 16 32 ;;
     compare) run compare python3 -m bench.compare --gpu --peer-bin "$PEER_BIN" --model "$MODEL" \
@@ -154,13 +166,23 @@ for s in "${steps[@]}"; do
         --peer-bin "$PEER_BIN" --model "$MODEL" --n-ctx 139264 --scenario chat \
         --peer-args "--cache-ram 0 -ub 2048" --scenario-timeout 240 ;;
     cache-cuda)  # issue 23: patch 0002's tests with the bank on the GPU, then the served e2e
-      ONEGPU_CACHE_TEST_DEVICE=CUDA0 run cache-cuda timeout 120 python3 -m pytest -q \
+      ONEGPU_CACHE_TEST_DEVICE=CUDA0 run cache-cuda timeout 180 python3 -m pytest -q -s \
         -p no:cacheprovider -W default tests/test_moe_cache.py
+      if ! grep -q "rc=0 " "$R/cache-cuda.txt"; then  # which of CUDA's shortcuts matters
+        GGML_CUDA_DISABLE_GRAPHS=1 GGML_CUDA_DISABLE_FUSION=1 ONEGPU_CACHE_TEST_DEVICE=CUDA0 \
+          run cache-cuda-plain timeout 180 python3 -m pytest -q -s -p no:cacheprovider \
+          -W default tests/test_moe_cache.py -k equal
+      fi
       run cache-e2e timeout 180 python3 -m pytest -q -p no:cacheprovider -W default \
         tests/test_expert_cache_e2e.py ;;
+    cache-repro)  # issue 31: the reproducible lane bit-identical under load, cache on
+      run cache-repro timeout 300 python3 -m bench.repro --model "$MODEL" --trials 20 \
+        --duration 2 --ours-args="--cpu-moe --expert-cache-slots 32" ;;
+    cache-ab)  # issue 31: the cache vs llama-server's best --n-cpu-moe at equal VRAM
+      run cache-ab python3 -m bench.expert_cache_ab --model "$MODEL" --peer-bin "$PEER_BIN" \
+        --layers ${AB_LAYERS:-15 27} --routings ${AB_ROUTINGS:-skewed uniform} \
+        --admission "${AB_ADMISSION:-3}" --references --work "$W/ab" --json "$R/cache-ab.json" ;;
     cache-curve)  # issue 23: hit rate and output rate by cache size, skewed routing, 4 users
-      [ -n "${synth12:-}" ] && wait "$synth12"  # (written in the background since the start)
-      [ -f "$CURVE_MODEL" ] || { echo "no $CURVE_MODEL" > "$R/cache-curve.txt"; continue; }
       run cache-curve timeout 240 python3 -m bench.routing_curve --model "$CURVE_MODEL" --slots 0,32,64 \
         --routings skewed --uploads 1 --rounds 1 --out 128
       # the peer with every expert in RAM (its cost does not depend on the routing)

@@ -108,7 +108,7 @@ during without within along"""
 WORDS = tuple(_WORD_TEXT.split())
 
 
-# The random-weight models of `synth_gguf.py` have a vocabulary of words `▁w0`, `▁w1`, …
+# The random-weight models of `bench.synth_moe` have a vocabulary of words `▁w0`, `▁w1`, …
 # that their SPM tokenizer never reaches from text (no `▁w` piece to merge through), and
 # byte tokens: there, text is lowercase letters, one byte token each, so sizes hold.
 SYNTH_WORDS: tuple[str, ...] = ()

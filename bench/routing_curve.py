@@ -48,6 +48,7 @@ class Point:
     pinned: float  # the S most picked experts' share (same run's counts)
     picks: int
     tok_s: float  # output tokens a second over the traffic (prompts included)
+    uploads_per_step: float = 0.0  # experts uploaded a decode step, all layers
 
 
 def _counter(text: str, name: str, **labels: str) -> float:
@@ -83,6 +84,7 @@ def measure(
         ["--model", str(model), "--served-model-name", "m", "--cpu-moe", "--n-ctx", "8192",
          "--n-seq-max", str(args.users), "--expert-cache-slots", str(slots),
          "--expert-cache-uploads", str(uploads), "--expert-sample-rate", "1",
+         "--expert-cache-admission", str(args.admission),
          "--no-prefix-cache", "--repro-slots", "0"],
         work / f"{routing}-{slots}-{uploads}.log",
     )  # fmt: skip
@@ -93,17 +95,20 @@ def measure(
                 _traffic(srv.url, args.users, args.prompt, args.out, seed=rnd + 1)
             )
         wall = time.perf_counter() - t0
-        hits = misses = 0.0
+        hits = misses = loaded = 0.0
         if slots > 0:
             text = httpx.get(srv.url + "/metrics").text
             hits = _counter(text, "onegpu_expert_cache_picks_total", result="hit")
             misses = _counter(text, "onegpu_expert_cache_picks_total", result="miss")
+            loaded = _counter(text, "onegpu_expert_cache_uploads_total")
         pinned = load_picks(httpx.get(srv.url + "/experts/counts").content).hit(slots)
     finally:
         srv.stop()
     total = hits + misses
+    meta = read_meta(str(model))
+    steps = total / max(1, meta.n_expert_used * meta.n_layer * args.users)  # ~ decode steps
     return Point(routing, slots, uploads, hits / total if total else 0.0, pinned, int(total),
-                 tokens / wall)  # fmt: skip
+                 tokens / wall, loaded / steps if steps else 0.0)  # fmt: skip
 
 
 def _generated(path: Path) -> Path:
@@ -128,6 +133,8 @@ def main() -> None:
     p.add_argument(
         "--uploads", default="all,1", help="upload caps (experts a layer a step; all = every miss)"
     )
+    p.add_argument("--admission", type=float, default=0.0,
+                   help="the server's --expert-cache-admission (0 = LRU)")  # fmt: skip
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     work = Path(tempfile.mkdtemp(prefix="routing-"))
@@ -147,7 +154,9 @@ def main() -> None:
         for s in slots
         for cap in (caps if s > 0 else caps[:1])
     }
-    head = " | ".join(f"uploads {'all' if c == n_expert else c}: hit rate, tok/s" for c in caps)
+    head = " | ".join(
+        f"uploads {'all' if c == n_expert else c}: hit rate, tok/s, uploads/step" for c in caps
+    )
     print(f"| routing | slots (of {n_expert}) | {head} | most picked S (pinned) | "
           "S / n_expert | picks |")  # fmt: skip
     print("|---|---:|" + "---:|" * len(caps) + "---:|---:|---:|")
@@ -157,7 +166,10 @@ def main() -> None:
             first = got[0]
             assert first is not None
             cells = " | ".join(
-                f"{pt.hit_rate:.1%}, {pt.tok_s:.1f}" if pt is not None else "" for pt in got
+                f"{pt.hit_rate:.1%}, {pt.tok_s:.1f}, {pt.uploads_per_step:.1f}"
+                if pt is not None
+                else ""
+                for pt in got
             )
             print(f"| {routing} | {s} | {cells} | {first.pinned:.1%} | {s / n_expert:.1%} | "
                   f"{first.picks} |")  # fmt: skip

@@ -20,7 +20,7 @@ produce both, without any training:
 `--skew 0 --locality 0` leaves the routing as uniform as the random weights made it (the
 worst case for a cache). The hit-rate curve these settings give under the routed-expert
 cache's LRU is measured by `bench.routing_curve` (docs/benchmarks.md, "Routing model").
-Router tensors must be F32 or F16 (as tests.tiny_gguf and synth_gguf.py write them);
+Router tensors must be F32 or F16 (as tests.tiny_gguf and bench.synth_moe write them);
 `attn_output` may be F32, F16 or Q4_0 (whose blocks' scales are scaled).
 """
 

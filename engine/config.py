@@ -60,6 +60,9 @@ class EngineConfig:
     # reproducible lane's context never has one: its numerics must not follow the traffic.
     expert_cache_slots: int = 0
     expert_cache_uploads: int = 1
+    # An upload into a full bank must beat the weakest cached expert's decayed pick count by
+    # this much (engine.moe_cache.set_admission); 0 = plain LRU, every miss may replace.
+    expert_cache_admission: float = 0.0
     # Map the file (llama.cpp's default) or read it into memory. Read, the tensors kept in
     # host RAM can be repacked for the CPU's matmul kernels (llama.cpp warns that overrides
     # to the CPU with mmap cost speed); mapped, they are shared with the page cache.

@@ -43,6 +43,11 @@ class Model:
         mparams.n_gpu_layers = cfg.n_gpu_layers
         if not cfg.use_mmap:  # a plain read (llama.cpp's --load-mode none)
             mparams.load_mode = ll.LLAMA_LOAD_MODE_NONE
+        if cfg.expert_cache_slots > 0:
+            # Tensors kept in host RAM in plain buffers, never repacked for the CPU's kernels
+            # (llama.cpp repacks Q4_0 and others on AVX2 hosts, even mapped): the cache's
+            # bank takes byte copies of GGUF expert slices, and a repacked tensor is not one.
+            mparams.use_extra_bufts = False
         overrides = CpuOverrides(ll, list(cfg.cpu_tensors)) if cfg.cpu_tensors else None
         if overrides is not None:
             mparams.tensor_buft_overrides = overrides.pointer
@@ -234,6 +239,8 @@ class Model:
                 self.main.ctx, cfg.expert_cache_slots, max_uploads=cfg.expert_cache_uploads,
                 max_tokens=cfg.n_seq_max, device=None if gpu else "CPU",
             )  # fmt: skip
+            if n > 0:
+                moe_cache.set_admission(self.main.ctx, cfg.expert_cache_admission)
         except moe_cache.ExpertCacheError as e:
             raise ModelLoadError(f"routed-expert cache: {e}") from e
         if n == 0:

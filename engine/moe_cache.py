@@ -1,5 +1,5 @@
-"""The routed-expert cache of our llama.cpp patches 0002 (the cache) and 0003 (its
-per-layer counters), through ctypes.
+"""The routed-expert cache of our llama.cpp patches 0002 (the cache), 0003 (its per-layer
+counters) and 0004 (admission by decayed pick counts, one read-back a step), through ctypes.
 
 For a context whose expert tensors live in host RAM (`--cpu-moe`, or a plan that leaves
 layers there), the patch keeps a small bank of expert slices on a device — the GPU, or the
@@ -57,6 +57,8 @@ def _lib() -> Any:
     lib.llama_moe_cache_reset_stats.restype = None
     lib.llama_moe_cache_pin.argtypes = [vp, i32, i32]
     lib.llama_moe_cache_pin.restype = i32
+    lib.llama_moe_cache_set_admission.argtypes = [vp, ctypes.c_float, ctypes.c_float]
+    lib.llama_moe_cache_set_admission.restype = i32
     return lib
 
 
@@ -73,6 +75,20 @@ def configure(
     if n < 0:
         raise ExpertCacheError(f"could not allocate {slots} expert slots a layer on {device}")
     return n
+
+
+DECAY = 0.95  # a pick's weight in an expert's score falls to a half after ~14 steps
+
+
+def set_admission(ctx: Any, margin: float, decay: float = DECAY) -> None:
+    """Which missed experts enter a full bank (patch 0004). Each layer scores its experts
+    by their picks, each worth `decay` ** (steps since). margin 0: every miss may take the
+    least recently used slot (up to `max_uploads` a layer a step); margin > 0: a missed
+    expert replaces the cached one of lowest score only when its score is higher by
+    `margin` — an upload is a few MB over PCIe that must pay for itself in later hits, and
+    under uniform routing no expert stays ahead, so the bank stops turning over."""
+    if int(_lib().llama_moe_cache_set_admission(ctx, decay, margin)) != 0:
+        raise ExpertCacheError("the routed-expert cache is off")
 
 
 def pin(ctx: Any, layer: int, expert: int) -> None:

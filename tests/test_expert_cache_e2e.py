@@ -135,3 +135,19 @@ def test_saved_pick_counts_are_what_the_planner_reads(
     counts.write_text('{"counts": [[1, 2], [3]]}')
     bad = subprocess.run([*plan, "--pick-counts", str(counts)], capture_output=True, text=True)
     assert bad.returncode == 2 and "cannot read --pick-counts" in bad.stderr
+
+
+def test_q4_0_experts_in_ram_are_cached(tmp_path: Path) -> None:
+    """Q4_0 experts (the benchmarks' type) kept in RAM are cached too: llama.cpp repacks
+    such tensors for the CPU's kernels on AVX2 hosts, even mapped, and a repacked tensor is
+    not the GGUF bytes the bank copies — with the cache on they stay plain. Without that the
+    cache was silently off for Q4_0 models."""
+    path = write_qwen3moe(tmp_path / "moe-q4.gguf", shape=SHAPE, seed=5, wtype="q4_0")
+    server = _serve(path, "q4", "--expert-cache-slots", "4")
+    try:
+        assert _metric(server, "onegpu_expert_cache_layers") == SHAPE.n_layer
+        _answers(server)
+        hits, misses, _ = _cache(server)
+        assert hits + misses >= len(PROMPTS) * 23 * SHAPE.n_expert_used * SHAPE.n_layer
+    finally:
+        server.stop()

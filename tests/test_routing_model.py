@@ -25,7 +25,7 @@ def test_the_skewed_router_puts_most_picks_on_a_few_experts(tmp_path: Path) -> N
     skewed = tmp_path / "skewed.gguf"
     shutil.copyfile(uniform, skewed)
     assert skew_router(skewed, skew=1.0, locality=0.5, context=64, boost=8.0) == SHAPE.n_layer
-    args = argparse.Namespace(users=2, prompt=16, out=64, rounds=1)
+    args = argparse.Namespace(users=2, prompt=16, out=64, rounds=1, admission=0.0)
     flat = measure(uniform, "uniform", SLOTS, SHAPE.n_expert, args, tmp_path)
     hot = measure(skewed, "skewed", SLOTS, SHAPE.n_expert, args, tmp_path)
     share = SLOTS / SHAPE.n_expert  # 12.5%: what uniform routing gives

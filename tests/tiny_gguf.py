@@ -20,7 +20,7 @@ from typing import Literal
 import gguf
 import numpy as np
 
-WeightType = Literal["f32", "f16"]
+WeightType = Literal["f32", "f16", "q4_0"]  # q4_0: the routed experts (the rest f32)
 
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 N_BYTE_TOKENS = 256
@@ -152,6 +152,11 @@ def _write(
     n_vocab = len(tokens)
     rng = np.random.default_rng(seed)
     dt = np.float16 if wtype == "f16" else np.float32
+    file_type = {
+        "f32": gguf.LlamaFileType.ALL_F32,
+        "f16": gguf.LlamaFileType.MOSTLY_F16,
+        "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+    }[wtype]
 
     def mat(*shape: int, std: float | None = None) -> np.ndarray:
         if hollow:  # a zero-stride view: never materialised, never written
@@ -160,6 +165,20 @@ def _write(
         # as much as the embedding does, so outputs depend on context, and logits stay O(1).
         scale = shape[-1] ** -0.5 if std is None else std
         return (rng.standard_normal(shape) * scale).astype(dt)
+
+    def experts(t: np.ndarray) -> np.ndarray:
+        """An expert tensor in the file's type: Q4_0 blocks (the benchmarks' type) for q4_0;
+        `add_tensor` takes the blocks' bytes, rows of bytes for shape."""
+        if wtype != "q4_0" or hollow:
+            return t
+        return gguf.quants.quantize(t.astype(np.float32), gguf.GGMLQuantizationType.Q4_0)
+
+    def put_experts(name: str, t: np.ndarray) -> None:
+        q = experts(t)
+        if q is t:
+            put(name, t)
+        else:
+            w.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType.Q4_0)
 
     def norm(n: int) -> np.ndarray:
         return np.ones(n, dtype=np.float32)  # 1-D tensors stay f32, as converters write them
@@ -173,7 +192,7 @@ def _write(
             w.add_tensor(name, t)
 
     w.add_name(f"tiny-{arch}")
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if wtype == "f16" else gguf.LlamaFileType.ALL_F32)
+    w.add_file_type(file_type)
     w.add_context_length(s.n_ctx_train)
     w.add_embedding_length(s.n_embd)
     w.add_block_count(s.n_layer)
@@ -221,9 +240,9 @@ def _write(
             put(b + "attn_q_norm.weight", norm(D))
             put(b + "attn_k_norm.weight", norm(D))
             put(b + "ffn_gate_inp.weight", mat(X, E, std=1.0))  # ggml {E, X}
-            put(b + "ffn_gate_exps.weight", mat(X, F, E))  # ggml {E, F, X}
-            put(b + "ffn_up_exps.weight", mat(X, F, E))  # ggml {E, F, X}
-            put(b + "ffn_down_exps.weight", mat(X, E, F))  # ggml {F, E, X}
+            put_experts(b + "ffn_gate_exps.weight", mat(X, F, E))  # ggml {E, F, X}
+            put_experts(b + "ffn_up_exps.weight", mat(X, F, E))  # ggml {E, F, X}
+            put_experts(b + "ffn_down_exps.weight", mat(X, E, F))  # ggml {F, E, X}
         else:
             put(b + "ffn_gate.weight", mat(s.n_ff, E))  # ggml {E, F}
             put(b + "ffn_up.weight", mat(s.n_ff, E))
