@@ -1,5 +1,7 @@
 """The routed-expert cache of our llama.cpp patches 0002 (the cache), 0003 (its per-layer
-counters) and 0004 (admission by decayed pick counts, one read-back a step), through ctypes.
+counters), 0004 (admission by decayed pick counts, one read-back a step) and 0005 (on a
+GPU, uploads from pinned pages on a stream of their own, overlapped with the next step),
+through ctypes.
 
 For a context whose expert tensors live in host RAM (`--cpu-moe`, or a plan that leaves
 layers there), the patch keeps a small bank of expert slices on a device — the GPU, or the
