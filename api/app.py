@@ -45,6 +45,7 @@ from engine.expert_telemetry import ExpertTelemetry
 from engine.gguf_meta import split_parts
 from engine.load_progress import LoadProgress
 from engine.model import Model
+from engine.pick_store import PickStore, counts_path
 from engine.runner import Engine
 from engine.tensor_layout import Placement, describe
 from scheduler.core import Scheduler, SchedulerConfig
@@ -124,9 +125,13 @@ def _state(
         placement.placed, {"gpu": plan.budgets.vram, "ram": plan.budgets.ram} if plan else None
     )
     experts = None
+    picks = None
     if model.tap is not None and placement.experts is not None:
         experts = ExpertTelemetry(model.tap, placement.experts)
         metrics.add_expert_telemetry(experts.report)
+        if settings.state_dir is not None:
+            path = counts_path(settings.state_dir, settings.engine.model_path)
+            picks = PickStore(path, model.n_layer, model.n_expert)
     if model.expert_cache_layers:
         # (read at scrape time from the event loop: counters the engine thread bumps)
         metrics.add_expert_cache(
@@ -168,6 +173,7 @@ def _state(
         prompt_workers=anyio.CapacityLimiter(settings.limits.prompt_workers),
         aliases=frozenset({name, Path(settings.engine.model_path).name}),
         experts=experts,
+        picks=picks,
         reasoning=settings.reasoning_format != "none" and template_reasons(template.source),
         tool_format=_tool_format(settings.tool_call_parser, template.source),
         renders_tools=renders_tools(
@@ -236,6 +242,25 @@ def _model_bytes(settings: ServerSettings) -> int:
         return 0
 
 
+PICKS_SAVE_S = 300.0  # how often a server saves its sampled pick counts (and at the end)
+
+
+def _save_picks(state: ServerState) -> None:
+    """The telemetry's counts into the state dir (engine.pick_store); a failure is logged,
+    never fatal: the counts only tune the next start."""
+    assert state.picks is not None and state.model.tap is not None
+    try:
+        state.picks.save(state.model.tap.counts.copy())
+    except OSError as e:
+        log.warning("could not save the router pick counts to %s: %s", state.picks.path, e)
+
+
+async def _save_picks_every(state: ServerState, every_s: float) -> None:
+    while not state.draining:
+        await asyncio.sleep(every_s)
+        await anyio.to_thread.run_sync(_save_picks, state)
+
+
 def build_app(settings: ServerSettings) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -262,16 +287,23 @@ def build_app(settings: ServerSettings) -> Starlette:
                 return
             app.state.server = state
             log.info("serving %s (max_model_len=%d)", state.model_name, state.max_model_len)
+            if state.picks is not None:
+                saving.append(asyncio.create_task(_save_picks_every(state, PICKS_SAVE_S)))
 
         loading = asyncio.create_task(load())
+        saving: list[asyncio.Task[None]] = []
         try:
             yield
         finally:
             await loading  # (a stop signal during the load cancelled it: api.serve)
+            for task in saving:
+                task.cancel()
             state: ServerState | None = app.state.server
             if state is not None:
                 state.draining = True
                 await state.loop.stop(drain_s=settings.drain_s)
+                if state.picks is not None:
+                    _save_picks(state)
             for model, engines in loaded:
                 for engine in engines:
                     engine.close()

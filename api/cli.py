@@ -205,8 +205,22 @@ def _plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pick-counts", type=Path, metavar="FILE",
         help="router pick counts (`one-gpu experts --save-counts`) the plan sizes the cache "
-        "for (default: uniform routing, the worst case)",
+        "for and its bank starts with (default: those an earlier run saved in --state-dir, "
+        "else uniform routing, the worst case)",
     )  # fmt: skip
+    p.add_argument(
+        "--state-dir", type=_state_dir, default="default", metavar="DIR|none",
+        help="where a server saves its sampled router pick counts for its next start "
+        "(default $ONEGPU_STATE_DIR, $XDG_STATE_HOME/one-gpu or ~/.local/state/one-gpu)",
+    )  # fmt: skip
+
+
+def _state_dir(text: str) -> Path | None:
+    from engine.pick_store import default_state_dir
+
+    if text == "default":
+        return default_state_dir()
+    return None if text == "none" else Path(text)
 
 
 def _slots(text: str) -> int:
@@ -221,16 +235,36 @@ def _slots(text: str) -> int:
     return n
 
 
-def _cache_options(args: argparse.Namespace) -> dict[str, Any]:
+def _pick_counts(args: argparse.Namespace, model_path: str | None) -> Path | None:
+    """The counts the plan and the cache's first fill read: --pick-counts, else those an
+    earlier run of this model saved in --state-dir (engine.pick_store), if any."""
+    if args.pick_counts is not None or args.state_dir is None or model_path is None:
+        return args.pick_counts  # type: ignore[no-any-return]
+    from engine.pick_store import counts_path
+
+    try:
+        saved = counts_path(args.state_dir, model_path)
+    except OSError:  # no such model: the load says so
+        return None
+    if not saved.is_file():
+        return None
+    log.info("router pick counts saved by an earlier run: %s", saved)
+    return saved
+
+
+def _cache_options(args: argparse.Namespace, counts: Path | None) -> dict[str, Any]:
     """PlanOptions' keywords for the routed-expert cache (exits 2 on unreadable counts)."""
     from engine.expert_split import load_picks
 
     opts: dict[str, Any] = {"cache_slots": args.expert_cache_slots}
-    if args.pick_counts is not None:
+    if counts is not None:
         try:
-            opts["picks"] = load_picks(args.pick_counts.read_bytes())
+            opts["picks"] = load_picks(counts.read_bytes())
         except (OSError, ValueError) as e:
-            sys.stderr.write(f"one-gpu: cannot read --pick-counts {args.pick_counts}: {e}\n")
+            if counts != args.pick_counts:  # a saved file gone bad: plan without it
+                log.warning("ignoring saved pick counts %s: %s", counts, e)
+                return opts
+            sys.stderr.write(f"one-gpu: cannot read --pick-counts {counts}: {e}\n")
             sys.exit(2)
     return opts
 
@@ -282,7 +316,7 @@ def _plan(args: argparse.Namespace) -> int:
     opts = PlanOptions(
         kv_tokens=args.ctx * args.parallel, n_ubatch=args.n_ubatch or UBATCH,
         n_outputs=output_rows(args.parallel + max(0, args.cache_seqs), args.prompt_logprob_rows),
-        **_margin(args), **_cache_options(args),
+        **_margin(args), **_cache_options(args, _pick_counts(args, args.model)),
     )  # fmt: skip
     req = PlanRequest(vram_budget=args.vram_budget, ram_budget=args.ram_budget, options=opts)
     try:
@@ -355,6 +389,7 @@ def serve_settings(args: argparse.Namespace) -> ServerSettings:
 
         model_path = default_model_path()
         args.served_model_name = args.served_model_name or DEFAULT_MODEL_NAME
+    counts = _pick_counts(args, model_path)
     engine = EngineConfig(
         model_path=model_path,
         n_ctx=args.n_ctx,
@@ -374,6 +409,7 @@ def serve_settings(args: argparse.Namespace) -> ServerSettings:
         # cache on the CPU, for tests); auto: as the plan splits the experts' VRAM
         expert_cache_slots=max(0, args.expert_cache_slots),
         expert_cache_admission=max(0.0, args.expert_cache_admission),
+        expert_cache_fill=None if counts is None else str(counts),
         expert_cache_uploads=args.expert_cache_uploads,
         use_mmap=not args.no_mmap,
     )
@@ -395,7 +431,7 @@ def serve_settings(args: argparse.Namespace) -> ServerSettings:
             max(engine.n_seq_max + engine.n_cached_seqs, lanes.slots), engine.prompt_logprob_rows
         ),
         **_margin(args),
-        **_cache_options(args),
+        **_cache_options(args, counts),
     )
     req = PlanRequest(vram_budget=args.vram_budget, ram_budget=args.ram_budget, options=opts)
     try:
@@ -436,6 +472,7 @@ def serve_settings(args: argparse.Namespace) -> ServerSettings:
         drain_s=args.drain_seconds,
         lanes=lanes,
         plan=plan,
+        state_dir=args.state_dir,
     )
     return settings
 

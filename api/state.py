@@ -23,6 +23,7 @@ from scheduler.loop import EngineLoop
 
 if TYPE_CHECKING:
     from engine.expert_telemetry import ExpertTelemetry
+    from engine.pick_store import PickStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +47,7 @@ class ServerSettings:
     drain_s: float = 30.0
     lanes: LaneOptions = field(default_factory=LaneOptions)
     plan: Plan | None = None  # the placement plan applied (engine.cpu_tensors carries it)
+    state_dir: Path | None = None  # where sampled router pick counts are saved (engine.pick_store)
 
 
 @dataclass(slots=True)
@@ -67,6 +69,7 @@ class ServerState:
     preparing: Counter[tuple[str, str]] = field(default_factory=Counter)
     aliases: frozenset[str] = field(default_factory=frozenset)
     experts: ExpertTelemetry | None = None  # router telemetry (MoE, sample rate > 0)
+    picks: PickStore | None = None  # where the telemetry's counts are saved for the next start
     reasoning: bool = False  # split <think> … </think> into reasoning_content (api.reasoning)
     tool_format: str | None = None  # the model's tool-call format (api.tool_calls), if served
     renders_tools: bool = True  # the template writes `tools` (else the server adds them)

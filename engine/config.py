@@ -63,6 +63,9 @@ class EngineConfig:
     # An upload into a full bank must beat the weakest cached expert's decayed pick count by
     # this much (engine.moe_cache.set_admission); 0 = plain LRU, every miss may replace.
     expert_cache_admission: float = 0.0
+    # Router pick counts (`PickCounts` JSON) whose most picked experts fill the bank at load,
+    # before any request: --pick-counts, or the counts a previous run saved (engine.pick_store).
+    expert_cache_fill: str | None = None
     # Map the file (llama.cpp's default) or read it into memory. Read, the tensors kept in
     # host RAM can be repacked for the CPU's matmul kernels (llama.cpp warns that overrides
     # to the CPU with mmap cost speed); mapped, they are shared with the page cache.

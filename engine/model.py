@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from engine.errors import ModelLoadCancelled, ModelLoadError
 from engine.expert_tap import ExpertTap
 from engine.grammar import Grammars
 from engine.load_progress import LoadProgress
+from engine.pick_store import PickStore, top_experts
 from engine.placement import CpuOverrides
 
 log = logging.getLogger(__name__)
@@ -241,11 +243,33 @@ class Model:
             )  # fmt: skip
             if n > 0:
                 moe_cache.set_admission(self.main.ctx, cfg.expert_cache_admission)
+                self._fill_expert_cache(cfg.expert_cache_slots)
         except moe_cache.ExpertCacheError as e:
             raise ModelLoadError(f"routed-expert cache: {e}") from e
         if n == 0:
             log.info("routed-expert cache: no layer has its experts in plain host RAM; off")
         return n
+
+    def _fill_expert_cache(self, slots: int) -> None:
+        """Upload each cached layer's most picked experts (cfg.expert_cache_fill) now, so
+        that the first requests find a warm bank rather than paying for the fill (an upload
+        a miss, on the decode thread) — evictable as any other slot."""
+        path = self.cfg.expert_cache_fill
+        if path is None:
+            return
+        prior = PickStore(Path(path), self.n_layer, self.n_expert).prior
+        if prior is None:
+            return
+        t0, n = time.perf_counter(), 0
+        for layer in range(self.n_layer):
+            for expert in top_experts(prior, layer, slots):
+                try:
+                    moe_cache.preload(self.main.ctx, layer, expert)
+                except moe_cache.ExpertCacheError:
+                    break  # a layer the cache does not cover
+                n += 1
+        log.info("routed-expert cache: %d experts uploaded from %s in %.1f s", n, path,
+                 time.perf_counter() - t0)  # fmt: skip
 
     def step_geometry(self) -> tuple[int, int]:
         """(physical batch, attention tile): where a step's cost jumps. llama.cpp runs a

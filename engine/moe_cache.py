@@ -1,7 +1,7 @@
 """The routed-expert cache of our llama.cpp patches 0002 (the cache), 0003 (its per-layer
 counters), 0004 (admission by decayed pick counts, one read-back a step) and 0005 (on a
-GPU, uploads from pinned pages on a stream of their own, overlapped with the next step),
-through ctypes.
+GPU, uploads from pinned pages on a stream of their own, overlapped with the next step; a
+bank filled before the first request), through ctypes.
 
 For a context whose expert tensors live in host RAM (`--cpu-moe`, or a plan that leaves
 layers there), the patch keeps a small bank of expert slices on a device — the GPU, or the
@@ -61,6 +61,8 @@ def _lib() -> Any:
     lib.llama_moe_cache_pin.restype = i32
     lib.llama_moe_cache_set_admission.argtypes = [vp, ctypes.c_float, ctypes.c_float]
     lib.llama_moe_cache_set_admission.restype = i32
+    lib.llama_moe_cache_preload.argtypes = [vp, i32, i32]
+    lib.llama_moe_cache_preload.restype = i32
     return lib
 
 
@@ -99,6 +101,13 @@ def pin(ctx: Any, layer: int, expert: int) -> None:
     if rc != 0:
         why = "every slot is pinned" if rc == -2 else "no such layer or expert, or cache off"
         raise ExpertCacheError(f"cannot pin expert {expert} of layer {layer}: {why}")
+
+
+def preload(ctx: Any, layer: int, expert: int) -> None:
+    """Upload one expert now into a free (else the least recently used) slot, evictable."""
+    rc = int(_lib().llama_moe_cache_preload(ctx, layer, expert))
+    if rc != 0:
+        raise ExpertCacheError(f"cannot load expert {expert} of layer {layer} (code {rc})")
 
 
 def stats(ctx: Any) -> CacheStats:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -7,6 +8,19 @@ import pytest
 from bench.server_proc import Server, start_server
 
 MODEL = "gemma-3-270m"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The servers the tests start save router pick counts (engine.pick_store) under a
+    directory of this run, not the user's state directory."""
+    old = os.environ.get("ONEGPU_STATE_DIR")
+    os.environ["ONEGPU_STATE_DIR"] = str(tmp_path_factory.mktemp("state"))
+    yield
+    if old is None:
+        del os.environ["ONEGPU_STATE_DIR"]
+    else:
+        os.environ["ONEGPU_STATE_DIR"] = old
 
 
 @pytest.fixture(scope="session")

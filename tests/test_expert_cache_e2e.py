@@ -151,3 +151,30 @@ def test_q4_0_experts_in_ram_are_cached(tmp_path: Path) -> None:
         assert hits + misses >= len(PROMPTS) * 23 * SHAPE.n_expert_used * SHAPE.n_layer
     finally:
         server.stop()
+
+
+def test_a_restart_starts_from_the_counts_the_last_run_saved(model: Path, tmp_path: Path) -> None:
+    """A server saves its sampled pick counts when it stops; the next start of the same
+    model reads them without --pick-counts and fills its bank with each layer's most picked
+    experts before the first request (the fill costs no request an upload), evictable."""
+    state = tmp_path / "state"
+    first = _serve(model, "first", "--expert-cache-slots", "4", "--state-dir", str(state))
+    _answers(first)
+    first.stop()
+    saved = list((state / "picks").glob("*.json"))
+    assert len(saved) == 1 and not load_picks(saved[0].read_bytes()).uniform
+    second = _serve(model, "second", "--expert-cache-slots", "4", "--state-dir", str(state))
+    try:
+        filled = _cache(second)
+        assert filled == (0, 0, 4 * SHAPE.n_layer)  # no pick yet, every slot uploaded
+        assert "uploaded from" in second.log() and str(saved[0]) in second.log()
+        _answers(second)
+        hits, misses, _ = (a - b for a, b in zip(_cache(second), filled, strict=True))
+        assert hits > 0 and misses > 0
+    finally:
+        second.stop()
+    other = _serve(model, "other", "--expert-cache-slots", "4", "--state-dir", "none")
+    try:
+        assert _cache(other) == (0, 0, 0)  # no state: an empty bank
+    finally:
+        other.stop()
