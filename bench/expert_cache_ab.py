@@ -11,7 +11,8 @@ defaults, skewed and temporally local), in one run on one machine:
   layer: S = K * n_expert / L - n_expert_used, the same VRAM;
 - ours planned (`--expert-cache-slots auto`) under the VRAM the peer's process held, with the
   pick counts the cached server saw on this routing (`--pick-counts`): the split the planner
-  chooses for that traffic, whole layers or slots.
+  chooses for that traffic, whole layers or slots, and a bank filled from those counts
+  before the first request (the S slots row starts empty and fills by misses).
 
 Each server gets the same users: N at once (1, 4, 8), each a prompt of random token ids and
 `--osl` sampled tokens (`ignore_eos`), after a warm-up. Reported: output tok/s over the
@@ -210,7 +211,10 @@ def _measure(
             extra += ["--vram-budget", f"{int(peer)}MiB"]
             if counts.exists():
                 extra += ["--pick-counts", str(counts)]
-        setup.ours_extra = ["--repro-slots", "0", "--log-level", "info", *extra]
+        # no counts saved between our servers: each starts as its row says (the slots row
+        # with an empty bank; auto with the counts it is given, which also fill its bank)
+        setup.ours_extra = ["--repro-slots", "0", "--log-level", "info", "--state-dir", "none",
+                            *extra]  # fmt: skip
         srv = setup.ours(log_path)
     try:
         with VramPeak(srv.proc.pid) as peak:

@@ -84,7 +84,7 @@ def measure(
         ["--model", str(model), "--served-model-name", "m", "--cpu-moe", "--n-ctx", "8192",
          "--n-seq-max", str(args.users), "--expert-cache-slots", str(slots),
          "--expert-cache-uploads", str(uploads), "--expert-sample-rate", "1",
-         "--expert-cache-admission", str(args.admission),
+         "--expert-cache-admission", str(args.admission), "--state-dir", "none",
          "--no-prefix-cache", "--repro-slots", "0"],
         work / f"{routing}-{slots}-{uploads}.log",
     )  # fmt: skip
