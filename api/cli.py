@@ -80,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--expert-cache-uploads", type=int, default=1, metavar="N",
                    help="experts a cached layer uploads after a step at most")  # fmt: skip
     s.add_argument(
-        "--expert-cache-admission", type=float, default=0.0, metavar="PICKS",
+        "--expert-cache-admission", type=float, default=3.0, metavar="PICKS",
         help="a missed expert enters a full bank only when its recent picks (each decaying "
         "5%% a step) beat the weakest cached expert's by this many (0 = LRU: every miss)",
     )  # fmt: skip

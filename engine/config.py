@@ -61,8 +61,9 @@ class EngineConfig:
     expert_cache_slots: int = 0
     expert_cache_uploads: int = 1
     # An upload into a full bank must beat the weakest cached expert's decayed pick count by
-    # this much (engine.moe_cache.set_admission); 0 = plain LRU, every miss may replace.
-    expert_cache_admission: float = 0.0
+    # this much (engine.moe_cache.set_admission); 0 = plain LRU, every miss may replace. 3:
+    # on the routing curves, as many hits as LRU for a third to a fifth of its uploads.
+    expert_cache_admission: float = 3.0
     # Router pick counts (`PickCounts` JSON) whose most picked experts fill the bank at load,
     # before any request: --pick-counts, or the counts a previous run saved (engine.pick_store).
     expert_cache_fill: str | None = None
