@@ -13,4 +13,6 @@ for f in "$R"/*.txt "$R"/*.log; do
   [ "$f" = "$R/all.txt" ] || { echo "===== $f"; tail -c 20000 "$f"; }
 done > "$OUT/partial.txt" 2>/dev/null
 [ -f "$R/all.txt" ] && cp "$R/all.txt" "$OUT/"
+# a build made here (gpu_build.sh with PACK): its parts, for bench/gpu_kit.sh on the CPU machine
+cp "$R"/pack/llama-cuda.tar.xz.part-* "$OUT/" 2>/dev/null
 tail -5 /tmp/r.log; ls "$R"
