@@ -22,11 +22,16 @@ n_max, depth)` per prompt chunk, `observe(step, seconds)` once it ran, `stats()`
   4. The first chunk of a step gets at least `min_chunk` tokens, so prefill always
      progresses (also before any prompt was measured); a step is never larger than the
      model can be trusted with (`StepCostModel.trusted_rows`).
-  5. Under `auto` (no target given), a step carries at least the knee's worth of prompt,
-     where prefill runs within EFFICIENCY of its best speed (on a 2-core CPU 250 ms steps
-     spent most of their time on fixed costs: first token 23.6 s, llama-server's 12.1 s),
-     cut to SHARE of an unbounded step while within LEAST_EFFICIENT (the CPU's knee grew
-     to 4.5 s steps of 7.4 s unbounded; with experts in RAM no cut is efficient enough).
+  5. Under `auto` (no target given), where the target leaves the prefill inefficient —
+     the knee, where prefill runs within EFFICIENCY of its best speed, lies beyond the
+     target's chunk, or the decoders' own step takes over 1 - 1 / EFFICIENCY of it — a
+     step may spend SHARE of the pause llama-server makes there (its full batch), on the
+     chunk that prefills fastest within it: on a compute-bound CPU a decode step of a few
+     users costs little beside a prompt chunk, so a step is its chunk, and every chunk
+     pays for the decoders and a pass over the KV (a fake of the 2-core CPU, an 8K prompt:
+     its first token 1.39x llama-server's in 250 ms or knee steps, 1.14x in a fifth of
+     its pause). Where llama-server's pause is within the target (experts in host RAM:
+     any prompt step costs about the target), the knee stands, cut to LEAST_EFFICIENT.
 
   A step is bounded only when someone waits for it: decoders here, or requests of another
   lane that steps after it. A burst's step is not (every decoder has one token and no
@@ -85,9 +90,12 @@ class StallTarget:
     QUANTILE = 0.995  # the margin covers this share of steps ...
     WINDOW = 200  # ... of the last this many planned steps
     PRIOR = 0.15  # the margin until the window holds 1 / (1 - QUANTILE) steps: ~16%
-    EFFICIENCY = 1.15  # auto: prompt tokens cost at most this much over their best, ...
-    SHARE = 0.25  # ... in steps cut to this share of an unbounded one (or the target) ...
-    LEAST_EFFICIENT = 1.3  # ... while they cost at most this much over their best
+    EFFICIENCY = 1.15  # auto: the target is efficient where prompt tokens cost at most
+    # this much over their best; where not, a step may take ...
+    SHARE = 0.2  # ... this share of llama-server's pause: users are promised a quarter of
+    # it, and its longest runs shallower than our model of its last full batch (it splits
+    # that batch): 2-core CPU, 8K prompt, its longest 4.7-6.6 s, our model's ~7 s
+    LEAST_EFFICIENT = 1.3  # no pause of llama-server's to spend: the knee, cut to this
 
     def __init__(
         self, cost: StepCostModel, target_s: float, min_chunk: int, step_tokens: int,
@@ -124,14 +132,9 @@ class StallTarget:
             return floor
         self._memo = {}  # _time's, for this grant
         n = self._least_risk(step, n_max, depth)
-        if self.auto:  # the step carries at least the knee's worth of prompt, shared
-            alone, self._memo = StepDraft(step.n_decode, step.decode_cells), {}
-            full = self._time(alone, self.step_tokens - alone.rows, depth)  # unbounded step
-            cap = max(self.target, self.SHARE * full) / math.exp(self.correction + self.margin())
-            knee = self._knee(alone, n_max, depth, self.EFFICIENCY)
-            if (cut := self._largest_within(alone, n_max, depth, cap)) < knee:  # no further
-                knee = max(cut, self._knee(alone, n_max, depth, self.LEAST_EFFICIENT))
-            n, self._memo = max(n, knee - (step.rows - step.n_decode)), {}
+        if self.auto:
+            n = max(n, self._efficient(step, n, n_max, depth, max(rest, n_max)))
+            self._memo = {}
         n = max(n, floor)
         if n > 0 and 0 < rest - n < self.min_chunk and rest <= n_max:
             # No last chunk under the minimum (experts in host RAM are computed on the CPU
@@ -142,6 +145,24 @@ class StallTarget:
             n = rest if fits else (rest - self.min_chunk if rest - self.min_chunk >= floor else n)
         return min(n, n_max)
 
+    def _efficient(self, step: StepDraft, n: int, n_max: int, depth: int, rest: int) -> int:
+        """Under auto, the chunk where the target's `n` leaves the prefill inefficient (the
+        module doc, 5); `n` where it does not. A second prompt in the step shares it."""
+        alone, self._memo = StepDraft(step.n_decode, step.decode_cells), {}
+        shared = step.rows - step.n_decode  # prompt rows already in the step
+        decoders = self.cost.decode_time(step.n_decode, step.decode_cells)
+        if decoders <= self.target * (1 - 1 / self.EFFICIENCY) and (
+            n + shared >= self._knee(alone, n_max, depth, self.EFFICIENCY)
+        ):
+            return n
+        gap = self._gap(alone, depth, depth + rest)
+        fast = self._fastest_within(
+            alone, n_max, depth, gap / math.exp(self.correction + self.margin())
+        )
+        if gap <= self.target:  # no pause of llama-server's to spend: the knee stands
+            fast = max(fast, self._knee(alone, n_max, depth, self.LEAST_EFFICIENT))
+        return fast - shared
+
     def _time(self, step: StepDraft, n: int, depth: int) -> float:
         """The step's modelled time with an n-token chunk from `depth` added."""
         if n not in self._memo:
@@ -149,6 +170,31 @@ class StallTarget:
             draft = StepDraft(step.n_decode, step.decode_cells, chunks=chunks)
             self._memo[n] = self.cost.step_time(draft)
         return self._memo[n]
+
+    def _gap(self, alone: StepDraft, depth: int, end: int) -> float:
+        """The pause a step may spend: SHARE of the one llama-server makes here — a full
+        batch from this depth, none deeper than its last (ending where the prompt does) —
+        or the target if longer. A full batch larger than the model can be trusted with is
+        scaled from the largest it can: its part that grows with the chunk, by tokens (a
+        compute-bound step costs its rows' work; fitted on small chunks, a 2,048-row step
+        was extrapolated to 2.5x what it took)."""
+        n = max(1, min(self.step_tokens - alone.rows, end))
+        seen, d = max(1, min(n, self.cost.trusted_rows() - alone.rows)), min(depth, end - n)
+        self._memo = {}
+        fixed = self._time(alone, 0, d)  # the decoders, a pass over the KV, a batch
+        full = fixed + (self._time(alone, seen, d) - fixed) * n / seen
+        self._memo = {}
+        return max(self.target, self.SHARE * full)
+
+    def _fastest_within(self, step: StepDraft, n_max: int, depth: int, limit: float) -> int:
+        """Of the chunks whose step fits `limit` as modelled, the one that prefills fastest
+        (prompt tokens per second of step): the largest, or a kernel boundary below it."""
+        top = self._largest_within(step, n_max, depth, limit)
+        if top >= n_max:  # all it may take: no later step pays for the rest
+            return n_max
+        ends = [top, *(e for e in self._ends(step, n_max) if e < top)]
+        return max((e for e in ends if e > 0), default=0,
+                   key=lambda e: e / max(self._time(step, e, depth), 1e-12))  # fmt: skip
 
     def _ends(self, step: StepDraft, n_max: int) -> list[int]:
         """Chunks that end the step on a boundary where kernels change — a full physical

@@ -97,6 +97,28 @@ class SpikyCpu:
         return cpu_attention(batch) * spike * math.exp(self.rng.gauss(0.0, 0.02))
 
 
+class ComputeBound:
+    """The 2-core CPU serving the embedded 270M model, as its engine measured (4 decoders
+    and chunks of 128-1,024 tokens, 1-9K deep): every row costs its work — 2.6 ms a prompt
+    token plus 0.17 µs per KV cell it attends, in whole tiles of 64 rows — and each chunk
+    26 µs per cell of the KV behind it; a decode step of four users, 50 ms, costs little
+    beside a prompt chunk. 3% jitter, and one step in 50 1.34x (a ggml thread preempted)."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+
+    def __call__(self, batch: StepBatch) -> float:
+        rows, t, cells = batch.num_tokens, 0.05, 0.0
+        for c in batch.chunks:
+            n = len(c.tokens)
+            if n > 1:  # a prompt's chunk (decode tokens are in the 50 ms)
+                t += 0.0026 * n + 2.6e-5 * c.pos0
+                cells += n * (c.pos0 + n / 2)
+        pad = -(-rows // 64) * 64 / rows if rows >= 64 else 1.0
+        spike = 1.34 if self.rng.random() < 0.02 else 1.0
+        return (t + 1.7e-7 * cells * pad) * spike * math.exp(self.rng.gauss(0.0, 0.03))
+
+
 @dataclass
 class Run:
     times: list[float]  # every step that carried a decoder
@@ -145,6 +167,10 @@ MACHINES = {
     "experts-in-ram": (0.25, ExpertsInRam, 512, 0, 72.5),
     "cpu-tiles": (1.0, CpuTiles, 0, 64, 337.5),
     "spiky-cpu": (1.0, SpikyCpu, 0, 64, 321.5),
+    # (its figure: this policy before the auto rule of issue 32, whose hard target is the
+    # same; the 2-core CPU's floor 20K deep — decoders, a pass over the KV, the minimum
+    # chunk — is ~0.75 s, with a spike 1 s: a 1 s target there is the floor's own spread)
+    "compute-bound": (1.5, ComputeBound, 512, 64, 135.5),
 }
 
 
@@ -448,21 +474,69 @@ def cpu_deep(batch: StepBatch) -> float:
     return t
 
 
-def test_with_the_default_target_a_cpu_pauses_a_quarter_of_an_unbounded_step(
+def test_with_the_default_target_a_cpu_pauses_a_share_of_an_unbounded_step(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """On a CPU every prompt chunk pays for the KV behind it, so the knee grows with depth
-    (to 0.29 of an unbounded step for an 8K prompt here): `auto` cuts steps to a quarter of
-    an unbounded one (llama-server's, which prefills unbounded), and the cut costs the
-    prompt little (it never takes a step below LEAST_EFFICIENT)."""
+    """On a CPU every prompt chunk pays for the KV behind it and the decoders' step is
+    over an eighth of the target: `auto` spends SHARE of the pause an unbounded step
+    (llama-server's) makes, no more, and given more it prefills faster."""
 
     def prefill(run: Run) -> list[float]:
         return run.times[20 : 21 + run.steps_to_first]
 
     unbounded = prefill(run_scenario(None, cpu_deep, prompt=8192))
     auto = prefill(run_scenario(0.25, cpu_deep, auto=True, prompt=8192))
-    monkeypatch.setattr(StallTarget, "SHARE", 1.0)
-    uncut = prefill(run_scenario(0.25, cpu_deep, auto=True, prompt=8192))
-    assert max(uncut) > 0.25 * max(unbounded)  # (the knee alone: the case the cut is for)
+    monkeypatch.setattr(StallTarget, "SHARE", 0.4)
+    wider = prefill(run_scenario(0.25, cpu_deep, auto=True, prompt=8192))
     assert max(auto) <= 0.25 * max(unbounded), (max(auto), max(unbounded))
-    assert sum(auto) <= 1.05 * sum(uncut), (sum(auto), sum(uncut))
+    assert 0.25 * max(unbounded) < max(wider) <= 0.4 * max(unbounded)
+    assert sum(wider) < 0.9 * sum(auto), (sum(wider), sum(auto))
+
+
+@dataclass
+class Prefill:
+    ttft_s: float  # from the prompt's arrival to its first token
+    longest_s: float  # the longest step the decoders waited for in that time
+
+
+def run_arrival(machine: Machine, auto: bool, prompt: int = 8192) -> Prefill:
+    """As a user meets a freshly started server: 4 users arrive together (32-token
+    prompts) and decode for 3 s; then a `prompt`-token prompt arrives. `auto` at the
+    default 250 ms, or (False) every chunk the whole step budget (llama-server)."""
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=8, kv_capacity=40000, max_num_batched_tokens=2048,
+                        max_stall_s=0.25 if auto else None, min_prefill_chunk=32,
+                        ubatch=512, attention_tile=64, stall_auto=auto)
+    )  # fmt: skip
+    fake = FakeEngine()
+    fake.n_batch = 2048
+    now, arrived, longest = 0.0, -1.0, 0.0
+    for i in range(4):
+        sched.add(make_request(f"d{i}", [5 + i] * 32, 10_000, arrival=now))
+    for _ in range(3000):
+        if arrived < 0 and now >= 3.0:
+            sched.add(make_request("long", [7] * prompt, 1, arrival=now))
+            arrived = now
+        out = sched.schedule(now)
+        res = fake.step(out.batch)
+        res.decode_s = machine(out.batch)
+        now += res.decode_s
+        outputs, _ = sched.postprocess(out, res, now)
+        if arrived >= 0:
+            longest = max(longest, res.decode_s)
+        if any(o.req_id == "long" for o in outputs):
+            return Prefill(now - arrived, longest)
+    raise AssertionError("the long prompt never got its first token")
+
+
+def test_with_the_default_target_a_compute_bound_cpu_keeps_llama_servers_pace() -> None:
+    """The 2-core CPU (`ComputeBound`), an 8K prompt beside 4 users, ten seeds: without a
+    flag the prompt's first token comes within 1.25x of llama-server's (every chunk the
+    whole step budget), and the users' longest pause is within a quarter of its. Before
+    (steps to the 250 ms target, or to the knee), the first token took 1.39x (median,
+    1.53x worst): each step pays for the decoders and a pass over the KV."""
+    for seed in range(10):
+        ours = run_arrival(ComputeBound(seed), auto=True)
+        peer = run_arrival(ComputeBound(seed), auto=False)
+        assert ours.ttft_s <= 1.25 * peer.ttft_s, (seed, ours.ttft_s, peer.ttft_s)
+        assert ours.longest_s <= 0.25 * peer.longest_s, (seed, ours.longest_s, peer.longest_s)
