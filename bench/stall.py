@@ -20,10 +20,11 @@ are what a streaming client sees (an independent `openai` client gets the same o
   stream for `--warmup-s` first. The prompt on an idle server is measured on another
   fresh start: measured first (as this benchmark did), its unbounded 2,048-row steps
   taught our cost model what a full batch costs at every depth before the scenario, which
-  a new server has to learn from its first chunks (the policy before issue 32, 2-core
-  CPU, 8K prompt: the docs' runs, idle first, 0.20-0.22x llama-server's longest pause; a
-  fresh server, 2.2 s beside its 6.6 s, 0.33x); measured after the scenario on the same
-  server, the scenario's cached prompts slowed it (25.7 s, 18.6 s fresh).
+  a new server has to learn from its first chunks. The policy before issue 32, 2-core CPU,
+  8K prompt, minutes apart: measured so, TTFT 1.19x llama-server's and longest pause
+  0.25x; by an independent client against fresh servers, 1.87x and 0.19x. Measured after
+  the scenario on the same server, the cached prompts slowed it: 1.28x llama-server's
+  idle TTFT, against 1.01x fresh.
 - The decoders must still be streaming when the long prompt's first token comes: a
   decoder that ended early would hide the gap.
 
