@@ -197,10 +197,10 @@ def _plan_options(p: argparse.ArgumentParser) -> None:
         "(default 384MiB, measured on an H200 with CUDA 13)",
     )  # fmt: skip
     p.add_argument(
-        "--expert-cache-slots", type=_slots, default=0, metavar="N|auto",
-        help="experts a layer the GPU caches for layers whose experts are in host RAM (auto: "
-        "the plan splits the experts' VRAM between whole layers and slots; default 0 = off "
-        "until its CUDA path is measured)",
+        "--expert-cache-slots", type=_slots, default=AUTO, metavar="N|auto",
+        help="experts a layer the GPU caches for layers whose experts are in host RAM "
+        "(default auto: on a GPU the plan splits the experts' VRAM between whole layers and "
+        "slots; no cache without a GPU or with experts placed by hand; 0 = off)",
     )  # fmt: skip
     p.add_argument(
         "--pick-counts", type=Path, metavar="FILE",

@@ -21,6 +21,7 @@ from engine.config import EngineConfig
 from engine.devices import available_ram, gpu_memory
 from engine.gguf_meta import ModelMeta, read_meta
 from engine.plan import (
+    AUTO,
     Budgets,
     Plan,
     PlanDoesNotFit,
@@ -123,6 +124,9 @@ def plan_for_serve(
         if wide and experts_in_ram(plan) and plan.options.n_ubatch >= cfg.n_batch:
             cfg = _wide(cfg)  # (a plan saved with wide batches reserved their buffers)
     else:
+        if not on_gpu and req.options.cache_slots == AUTO:
+            # a bank in host RAM caches host RAM: auto means a cache only on a GPU
+            req = replace(req, options=msgspec.structs.replace(req.options, cache_slots=0))
         if not on_gpu and req.vram_budget is None:
             log.info("no GPU: every tensor in host RAM, nothing to plan")
             return cfg, None

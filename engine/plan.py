@@ -35,7 +35,7 @@ from typing import Literal
 
 import msgspec
 
-from engine.expert_split import ExpertSplit, PickModel, split_experts
+from engine.expert_split import ExpertSplit, PickModel, cache_everywhere, split_experts
 from engine.gguf_meta import ModelMeta, TensorInfo
 
 Device = Literal["gpu", "ram"]
@@ -322,7 +322,11 @@ def _split(
     if sum(layer_bytes.values()) <= free:
         return None
     model = opts.picks or PickModel(meta.n_expert)
-    slots = None if opts.cache_slots == AUTO else opts.cache_slots
+    slots: int | None = opts.cache_slots
+    if slots == AUTO:  # unmeasured routing: slots everywhere (engine.expert_split says why)
+        slots = None if not model.uniform else cache_everywhere(
+            layer_bytes, meta.n_expert, meta.n_expert_used, free
+        )  # fmt: skip
     split = split_experts(layer_bytes, meta.n_expert, meta.n_expert_used, free, model, slots)
     return split if split.slots else None
 
@@ -413,12 +417,18 @@ def format_plan(plan: Plan) -> str:
             "more picks per byte than cache slots)"
         )
     if (sp := plan.split) is not None:
-        model = "measured" if plan.options.picks and not plan.options.picks.uniform else "uniform"
+        measured = plan.options.picks is not None and not plan.options.picks.uniform
+        share = (
+            f"expected GPU pick share {sp.expected_share:.1%} (measured routing; "
+            f"{sp.uniform_share:.1%} uniform"
+            if measured
+            else f"GPU pick share at least {sp.uniform_share:.1%} (routing not measured yet: "
+            "uniform, the floor; the cache follows the traffic"
+        )
         lines.append(
             f"expert cache: {sp.slots} slots (+{sp.pad} pad) in each of {len(sp.cached)} layers "
-            f"in RAM, {_gib(sp.bank_bytes)}; expected GPU pick share {sp.expected_share:.1%} "
-            f"({model} routing; {sp.uniform_share:.1%} uniform, {sp.resident_share:.1%} "
-            "from resident layers)"
+            f"in RAM, {_gib(sp.bank_bytes)}; {share}, {sp.resident_share:.1%} from resident "
+            "layers)"
         )
     return "\n".join(lines)
 

@@ -410,3 +410,38 @@ def test_serve_widens_physical_batches_only_on_a_gpu_with_experts_placed_in_ram(
     assert given.n_ubatch == 512
     norms = EngineConfig(model_path=model, n_ubatch=512, cpu_tensors=(r"_norm\.",))
     assert planning.plan_for_serve(norms, req, None, wide_batches=True)[0].n_ubatch == 512
+
+
+def test_serve_caches_experts_by_default_only_on_a_gpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--expert-cache-slots` left at auto: where the plan keeps experts in host RAM on a GPU
+    the engine gets the split's slots (the measured win, docs/benchmarks.md "Expert cache");
+    without a GPU, even planned under a VRAM budget, no cache (a host-RAM bank of host-RAM
+    experts only costs copies); 0 turns it off on a GPU too."""
+    import api.planning as planning
+    from engine.config import EngineConfig
+    from engine.plan import AUTO
+
+    class Gpu:
+        def llama_supports_gpu_offload(self) -> bool:
+            return True
+
+    model = str(write_qwen3moe(tmp_path / "m.gguf", shape=Shape(n_expert=32)))
+    meta = read_meta(model)
+    roomy = planning.PlanRequest(vram_budget="64GiB", ram_budget="64GiB")
+    whole = planning.plan_model(meta, roomy)
+    experts = sum(t.nbytes for t in whole.tensors if EXPERT.search(t.name))
+    budget = str(whole.vram_used - experts // 2)
+
+    def served(slots: int) -> int:
+        opts = msgspec.structs.replace(PlanOptions(), cache_slots=slots)
+        req = planning.PlanRequest(vram_budget=budget, ram_budget="64GiB", options=opts)
+        cfg, plan = planning.plan_for_serve(EngineConfig(model_path=model), req, None)
+        assert plan is not None and planning.experts_in_ram(plan)
+        return cfg.expert_cache_slots
+
+    assert served(AUTO) == 0  # this test machine has no GPU
+    monkeypatch.setattr(planning, "llama", Gpu)
+    assert served(AUTO) > 0
+    assert served(0) == 0
