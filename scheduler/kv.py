@@ -28,7 +28,7 @@ class KVPool:
         self.num_seqs = num_seqs
         self._free_seqs = list(range(num_seqs - 1, -1, -1))  # pop() hands out 0 first
         self._cells: dict[int, int] = {}
-        self._held: set[int] = set()  # ids of sequences kept as prefix cache (no own cells)
+        self.held: set[int] = set()  # ids of sequences kept as prefix cache (no own cells)
         self.cached = 0  # cells of the prefix cache, counted once however many read them
         self.used = 0
 
@@ -72,12 +72,12 @@ class KVPool:
         """A finished sequence's id stays taken as a prefix-cache holder; its own cells go,
         `cached` of them to the cache."""
         self.used -= self._cells.pop(seq)
-        self._held.add(seq)
+        self.held.add(seq)
         self.cache(cached)
 
     def unhold(self, seq: int) -> None:
         """A holder released by the prefix index: its id is free again."""
-        self._held.remove(seq)
+        self.held.remove(seq)
         self._free_seqs.append(seq)
 
     def cache(self, n: int) -> None:
@@ -86,14 +86,14 @@ class KVPool:
 
     @property
     def num_held(self) -> int:
-        return len(self._held)
+        return len(self.held)
 
     def sanity_checks(self) -> None:
         assert self.used == sum(self._cells.values()) + self.cached, "cell count drifted"
         assert 0 <= self.used <= self.capacity, "pool over capacity"
-        taken = len(self._cells) + len(self._held)
+        taken = len(self._cells) + len(self.held)
         assert len(self._free_seqs) + taken == self.num_seqs, "seq ids leaked"
-        assert not set(self._free_seqs) & (set(self._cells) | self._held), "seq id free and taken"
+        assert not set(self._free_seqs) & (set(self._cells) | self.held), "seq id free and taken"
 
 
 class GrowthEstimate:

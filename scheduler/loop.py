@@ -197,7 +197,7 @@ class EngineLoop:
         try:
             result = lane.step(out.batch)
         except KVCacheFull:
-            log.warning("backend KV full at %d cells used; preempting", sched.pool.used)
+            log.warning("backend KV full at %d cells used; preempting", sched.kv.used)
             with self._work:
                 sched.rollback_kv_full(out)
             return

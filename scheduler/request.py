@@ -113,6 +113,12 @@ class Request:
         return self.prompt_ids[pos0 + 1 : end + 1]
 
     @property
+    def may_read_cache(self) -> bool:
+        """A new request, or one preempted to recompute (not one resuming its own KV),
+        that may read the prefix cache."""
+        return self.cache_prompt and self.num_computed == 0 and self.swap_key is None
+
+    @property
     def is_decoding(self) -> bool:
         """Prompt done; only the last sampled token is waiting to be fed."""
         return bool(self.output_ids) and self.num_uncomputed == 1

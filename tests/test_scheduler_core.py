@@ -69,7 +69,7 @@ class Driver:
         sched = self.sched
         decoders = {r.req_id: (r, r.num_preemptions) for r in sched.running if r.is_decoding}
         out = sched.schedule(self.now)
-        sched.pool.sanity_checks()
+        sched.kv.sanity_checks(len(sched.running))
         check_batch(self.cfg, out, decoders)
         if out.is_empty:
             step = Step(out, [], None)
@@ -77,7 +77,7 @@ class Driver:
             result = self.fake.step(out.batch)
             # The batch's releases and starts leave the engine holding exactly the running
             # set, and the prefix cache's holders.
-            holders = sched.pool._held - set(sched._unhold_ready)
+            holders = sched.kv.engine_holders
             assert set(self.fake.kv) == {r.seq_id for r in sched.running} | holders
             outputs, stats = sched.postprocess(out, result, self.now)
             outputs, stopped = self.out_text.process(outputs)
@@ -86,7 +86,7 @@ class Driver:
             step = Step(out, outputs, stats)
             for o in outputs:
                 self.streams[o.req_id].append(o)
-        sched.pool.sanity_checks()
+        sched.kv.sanity_checks(len(sched.running))
         check_mirror(sched, self.fake)
         self.steps.append(step)
         return step
@@ -164,18 +164,19 @@ def check_mirror(sched: Scheduler, fake: FakeEngine) -> None:
     total = 0
     for r in sched.running:
         assert r.seq_id is not None
-        assert sched.pool.cells(r.seq_id) == r.num_computed - r.shared
+        assert sched.kv.own_cells(r) == r.num_computed - r.shared
         if r.seq_id in fake.kv:
             assert fake.history(r.seq_id) == r.tokens_from(0, r.num_computed)
         else:  # admitted by a schedule whose step did not run (an empty or failed one)
             assert r.num_computed == 0
         total += r.num_computed - r.shared
-    assert sched.pool.used == total + sched.pool.cached
-    if not sched._released and not sched._kv_ops:  # (the engine drops those next step)
-        assert fake.kv_used == sched.pool.used  # shared cells counted once on both sides
+    assert sched.kv.used == total + sched.kv.cached
+    pending = sched.kv.pending
+    if not pending.released and not pending.kv_ops:  # (the engine drops those next step)
+        assert fake.kv_used == sched.kv.used  # shared cells counted once on both sides
     # A swapped request's KV is in the engine's swap store, as many cells as it computed.
     swapped = [r for r in sched.waiting if r.swap_key is not None]
-    assert sched.swap.used == sum(r.num_computed for r in swapped)
+    assert sched.kv.swap_used == sum(r.num_computed for r in swapped)
     assert {r.swap_key: r.num_computed for r in swapped} == {
         k: len(cells) for k, cells in fake.swapped.items()
     }
@@ -232,7 +233,7 @@ def test_finished_request_leaves_at_the_step_boundary() -> None:
     assert [o.finish_reason for o in s2.outputs if o.req_id == "a"] == ["length"]
     assert a.status is RequestStatus.FINISHED_LENGTH and a.seq_id is None
     assert d.sched.running == [b]
-    assert d.sched.pool.used == b.num_computed
+    assert d.sched.kv.used == b.num_computed
     assert seq_a in d.fake.kv  # the engine still holds it until the next batch says so
     c = d.add(make_request("c", prompt(3, 5), 3))
     s3 = d.step()
@@ -356,7 +357,7 @@ def test_abort_waiting_request() -> None:
     assert "b" not in d.streams
     d.run()
     d.assert_matches_reference("a")
-    assert d.sched.pool.used == 0 and d.sched.pool.num_free_seqs == 1
+    assert d.sched.kv.used == 0 and d.sched.kv.num_free_seqs == 1
 
 
 def test_abort_running_request_frees_its_seq_and_cells() -> None:
@@ -366,7 +367,7 @@ def test_abort_running_request_frees_its_seq_and_cells() -> None:
     for _ in range(3):
         d.step()
     seq_a = a.seq_id
-    assert d.sched.pool.used == a.num_computed + b.num_computed
+    assert d.sched.kv.used == a.num_computed + b.num_computed
     n_out = len(d.streams["a"])
     d.sched.abort("a", d.now)
     s = d.step()
@@ -374,16 +375,16 @@ def test_abort_running_request_frees_its_seq_and_cells() -> None:
     assert s.out.batch.released == [seq_a]
     assert s.out.reqs == [b]
     assert seq_a not in d.fake.kv
-    assert d.sched.pool.used == b.num_computed
+    assert d.sched.kv.used == b.num_computed
     assert s.stats is not None
     assert [f.finish_reason for f in s.stats.finished] == ["abort"]
     assert s.stats.finished[0].num_output_tokens == n_out
     assert len(d.streams["a"]) == n_out  # nothing more for the aborted stream
-    assert d.sched.pool.num_free_seqs == 3
+    assert d.sched.kv.num_free_seqs == 3
     d.sched.abort("a", d.now)  # a second abort, or one for a finished request, is a no-op
     d.run()
     d.assert_matches_reference("b")
-    assert d.sched.pool.used == 0 and d.sched.pool.num_free_seqs == 4
+    assert d.sched.kv.used == 0 and d.sched.kv.num_free_seqs == 4
 
 
 def test_abort_of_unknown_or_finished_request_is_ignored() -> None:
@@ -711,7 +712,7 @@ def test_a_victim_swapped_to_host_ram_resumes_where_it_stopped() -> None:
     assert a.num_preemptions == 0 and b.num_preemptions == 1
     d.assert_matches_reference("a")
     d.assert_matches_reference("b")
-    assert d.sched.swap.used == 0 and not d.fake.swapped
+    assert d.sched.kv.swap_used == 0 and not d.fake.swapped
 
 
 def test_a_victim_that_does_not_fit_the_swap_space_is_recomputed() -> None:
@@ -740,7 +741,7 @@ def test_a_swap_the_engine_could_not_restore_is_recomputed() -> None:
     assert recomputed == computed and b.num_preemptions == 1
     d.assert_matches_reference("a")
     d.assert_matches_reference("b")
-    assert d.sched.swap.used == 0
+    assert d.sched.kv.swap_used == 0
 
 
 def test_an_abandoned_swapped_request_frees_its_host_ram() -> None:
@@ -749,9 +750,9 @@ def test_an_abandoned_swapped_request_frees_its_host_ram() -> None:
     b = d.add(make_request("b", prompt(6, 1), 10))
     run_to_preemption(d, b)
     key = b.swap_key
-    assert key is not None and d.sched.swap.used > 0
+    assert key is not None and d.sched.kv.swap_used > 0
     d.sched.abort("b", d.now)
-    assert d.sched.swap.used == 0
+    assert d.sched.kv.swap_used == 0
     step = d.step()
     assert step.out.batch.swap_drop == [key]
     assert not d.fake.swapped
@@ -802,15 +803,15 @@ def test_backend_kv_full_rolls_back_and_preempts_the_newest() -> None:
     b = d.add(make_request("b", prompt(5, 1), 8))
     for _ in range(3):
         d.step()
-    used = d.sched.pool.used
+    used = d.sched.kv.used
     out = d.sched.schedule(d.now + 1)
-    assert d.sched.pool.used == used + 2
+    assert d.sched.kv.used == used + 2
     with pytest.raises(KVCacheFull):
         d.fake.step(out.batch)
     d.sched.rollback_kv_full(out)
     assert b.status is RequestStatus.WAITING and b.num_preemptions == 1
-    assert d.sched.pool.used == a.num_computed
-    d.sched.pool.sanity_checks()
+    assert d.sched.kv.used == a.num_computed
+    d.sched.kv.sanity_checks(len(d.sched.running))
     d.run()
     d.assert_matches_reference("a")
     d.assert_matches_reference("b")
@@ -831,7 +832,7 @@ def test_engine_failure_ends_only_that_steps_requests() -> None:
         ("a", "error", "", [])
     ]
     assert [f.finish_reason for f in stats.finished] == ["error"]
-    assert a.status is RequestStatus.FINISHED_ERROR and d.sched.pool.used == 0
+    assert a.status is RequestStatus.FINISHED_ERROR and d.sched.kv.used == 0
     d.run()
     d.assert_matches_reference("b")
 
@@ -953,7 +954,7 @@ def test_stats_are_consistent_with_the_run() -> None:
         assert st is not None
         assert st.num_running == len(d.sched.running)
         assert st.num_waiting == len(d.sched.waiting)
-        assert st.kv_used == d.sched.pool.used == sum(r.num_computed for r in d.sched.running)
+        assert st.kv_used == d.sched.kv.used == sum(r.num_computed for r in d.sched.running)
         assert st.kv_capacity == 1_000
         assert st.num_step_tokens == step.out.batch.num_tokens
         assert st.num_step_seqs == len(step.out.batch.chunks)
@@ -1036,8 +1037,8 @@ def test_random_workload_matches_reference(seed: int) -> None:
             assert all(o.finish_reason is None for o in d.streams[req_id])
         else:
             d.assert_matches_reference(req_id)
-    assert d.sched.pool.used == 0
-    assert d.sched.pool.num_free_seqs == config.max_num_seqs
+    assert d.sched.kv.used == 0
+    assert d.sched.kv.num_free_seqs == config.max_num_seqs
 
 
 def test_reference_is_what_the_fake_produces_alone() -> None:
@@ -1060,7 +1061,7 @@ def test_a_prompt_the_cache_holds_is_not_computed_again() -> None:
     system = prompt(16, 3)
     d.add(make_request("a", [*system, 1, 2, 3], 5))
     d.run()
-    assert d.sched.pool.cached == 16 + 3 + 4  # prompt and the output tokens it computed
+    assert d.sched.kv.cached == 16 + 3 + 4  # prompt and the output tokens it computed
     b = d.add(make_request("b", [*system, 9, 9], 5))
     step = d.step()
     chunk = step.out.batch.chunks[step.out.reqs.index(b)]
@@ -1094,7 +1095,7 @@ def test_the_cache_gives_way_to_requests_and_keeps_outputs_exact() -> None:
             read |= {(seed, r.req_id) for r in d.sched.running if r.num_cached}
         for i in range(14):
             d.assert_matches_reference(f"r{i}")
-        assert d.sched.pool.num_held - len(d.sched._unhold_ready) <= 3
+        assert len(d.sched.kv.engine_holders) <= 3
     assert len(read) > 20
 
 
@@ -1121,7 +1122,7 @@ def test_requests_behind_one_prompt_compute_it_once(window: int) -> None:
     assert [r.num_cached for r in reqs] == [0, 100, 100, 100]
     for r in reqs:
         d.assert_matches_reference(r.req_id)
-    assert d.sched.prefix is not None and d.sched.prefix.evictable == d.sched.prefix.cells
+    assert d.sched.kv.evictable == d.sched.kv.cached
 
 
 @pytest.mark.parametrize("window", [0, 8])
@@ -1159,7 +1160,7 @@ def test_a_burst_is_offered_its_shared_prompt_when_the_cache_holds_all_its_ids(w
     for i in range(2):
         d.add(make_request(f"old{i}", prompt(30, 20 + i), 3))
     d.run()
-    assert d.sched._num_holders == 2
+    assert d.sched.kv.num_holders == 2
     system = prompt(100, 3)
     reqs = [d.add(make_request(f"q{i}", [*system, 1 + i, 2 + i], 4)) for i in range(4)]
     d.run()
@@ -1258,10 +1259,10 @@ def test_with_a_sliding_window_only_intact_prefixes_are_read() -> None:
     e = d.add(make_request("e", [*prompt(40, 1), 9, 9], 5))  # a's prompt, another question
     d.run()
     assert e.num_cached == 40  # a offered its prompt as it ran: that end stays pinned
-    cached = d.sched.pool.cached
+    cached = d.sched.kv.cached
     f = d.add(make_request("f", [*prompt(40, 1)[:30], 9, 9], 2))  # its window: a's cells
     d.run()
-    assert f.num_cached == 0 and d.sched.pool.cached == cached  # f is not kept
+    assert f.num_cached == 0 and d.sched.kv.cached == cached  # f is not kept
     for r in (a, b, c, e, f):
         d.assert_matches_reference(r.req_id)
 
@@ -1307,8 +1308,8 @@ def test_random_cached_workload_matches_reference(seed: int, window: int) -> Non
     d.run()
     for req_id in d.reqs:
         d.assert_matches_reference(req_id)
-    assert d.sched.prefix is not None and d.sched.prefix.evictable == d.sched.prefix.cells
-    assert d.sched.pool.num_held - len(d.sched._unhold_ready) <= 5
+    assert d.sched.kv.evictable == d.sched.kv.cached
+    assert len(d.sched.kv.engine_holders) <= 5
 
 
 def test_with_a_sliding_window_conversations_behind_one_system_prompt_are_all_kept() -> None:
@@ -1320,7 +1321,7 @@ def test_with_a_sliding_window_conversations_behind_one_system_prompt_are_all_ke
     system = prompt(20, 2)
     u = [d.add(make_request(f"u{i}", [*system, 30 + i, 31, 32, 33, 34], 5)) for i in range(2)]
     d.run()
-    assert d.sched.pool.cached == 20 + 2 * (5 + 4)  # the system prompt once
+    assert d.sched.kv.cached == 20 + 2 * (5 + 4)  # the system prompt once
     nxt = [
         d.add(make_request(f"n{i}", [*r.prompt_ids, *r.output_ids, 7], 3)) for i, r in enumerate(u)
     ]
@@ -1361,7 +1362,7 @@ def test_the_prefix_cache_does_not_count_as_kv_pressure() -> None:
     d = compute_bound_cached_driver()
     d.add(make_request("c", prompt(120, 9), 4))
     d.run()
-    assert d.sched.pool.cached >= 120
+    assert d.sched.kv.cached >= 120
     for i in range(2):
         d.add(make_request(f"r{i}", [40 + i, *prompt(39, i)], 12))
     most = most_running(d)

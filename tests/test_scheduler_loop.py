@@ -138,7 +138,7 @@ def test_concurrent_requests_all_complete_in_shared_steps() -> None:
             len(b.starts) > 0 and any(len(c.tokens) == 1 for c in b.chunks) for b in h.fake.batches
         )
         await h.close()
-        assert h.loop.scheduler.pool.used == 0
+        assert h.loop.scheduler.kv.used == 0
         assert not h.loop.is_running
 
     run(main)
@@ -194,7 +194,7 @@ def test_abort_one_of_several_keeps_the_others_going() -> None:
         assert qs[1].qsize() == queued
         assert all(qs[1].get_nowait().finish_reason is None for _ in range(queued))
         await h.close()
-        assert h.loop.scheduler.pool.used == 0
+        assert h.loop.scheduler.kv.used == 0
 
     run(main)
 
@@ -225,7 +225,7 @@ def test_backend_error_fails_only_that_steps_requests(fault: Exception) -> None:
         c = make_request("c", prompt(3, 2), 3)
         assert_reference(c, await h.collect(h.loop.add(c)))
         await h.close()
-        assert h.loop.scheduler.pool.used == 0
+        assert h.loop.scheduler.kv.used == 0
 
     run(main)
 
@@ -246,7 +246,7 @@ def test_kv_cache_full_rolls_back_preempts_and_everything_completes() -> None:
         restart = next(i for i, b in enumerate(h.fake.batches) if i > 4 and b.starts)
         assert any(b.released for b in h.fake.batches[5 : restart + 1])
         await h.close()
-        assert h.loop.scheduler.pool.used == 0
+        assert h.loop.scheduler.kv.used == 0
 
     run(main)
 
