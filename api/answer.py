@@ -1,11 +1,13 @@
-"""One chat choice's generated text into what the response carries: reasoning (a model
-that thinks first, api.reasoning), content, and tool calls (api.tool_calls) — the same
-split whether the answer is streamed in pieces or returned whole."""
+"""One choice's generated text into what the response carries: reasoning (a model that
+thinks first, api.reasoning), content, and tool calls (api.tool_calls) — the same split
+whether the answer is streamed in pieces or returned whole — numbered as the blocks of
+api.output_blocks."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from api.output_blocks import Block, Reasoning, Text, ToolUse
 from api.reasoning import ReasoningSplit
 from api.tool_calls import Call, ToolStream
 
@@ -64,3 +66,30 @@ class AnswerSplit:
         if self._one_call:
             return calls[: max(0, 1 - len(self.all.calls))]
         return calls
+
+
+class BlockNumbers:
+    """One choice's parts as numbered blocks: a piece's reasoning, then its text, then its
+    calls; a block keeps its index while the kind goes on, and every call is one block."""
+
+    def __init__(self) -> None:
+        self._next = 0
+        self._open: type[Block] | None = None
+        self._calls = 0
+
+    def blocks(self, parts: Parts) -> list[Block]:
+        out: list[Block] = []
+        if parts.reasoning:
+            out.append(Reasoning(self._index(Reasoning), parts.reasoning))
+        if parts.content:
+            out.append(Text(self._index(Text), parts.content))
+        for call in parts.calls:
+            out.append(ToolUse(self._index(ToolUse), call, self._calls))
+            self._calls += 1
+        return out
+
+    def _index(self, kind: type[Block]) -> int:
+        if kind is not self._open or kind is ToolUse:
+            self._open = kind
+            self._next += 1
+        return self._next - 1

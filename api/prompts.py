@@ -6,18 +6,45 @@ and /health. So the work runs in a worker thread (llama.cpp's tokenizer releases
 a few at a time, and a prompt that cannot fit is refused first by its length in
 characters: no token renders to more than the vocabulary's longest token, so a prompt
 of C characters has at least C / longest tokens.
+
+This is also the whole of the tokenize-only path (token counting): it needs nothing
+queued and nothing sampled.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import anyio
 
 from api.errors import ContextLengthExceeded, InvalidRequest
+from api.generation_request import Chat, GenerationRequest
+from api.rendering import render
 from api.state import ServerState
+from api.tool_calls import ToolSetup
 from engine.chat_template import ChatTemplate, ChatTemplateError
-from engine.chat_tokens import ChatPrompt, chat_prompt_ids
+from engine.chat_tokens import chat_prompt_ids
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """One prompt's token ids. `system_end`: where a chat's system block ends, a point
+    the prefix cache may offer to others (0: none; see `scheduler.core`)."""
+
+    ids: list[int]
+    system_end: int = 0
+
+
+async def tokenize(
+    state: ServerState, req: GenerationRequest, tools: ToolSetup, limit: int
+) -> list[Prompt]:
+    """The request's prompts as token ids, each refused (400) unless it could fit `limit`."""
+    if isinstance(req.input, Chat):
+        messages, template = render(state.template, req.input, tools)
+        return [await _chat_prompt(state, messages, limit, template)]
+    return await _completion_prompts(state, req.input.prompt, limit)
 
 
 def _at_least(n_chars: int, state: ServerState) -> int:
@@ -37,10 +64,9 @@ def _refuse_if_too_long(n_chars: int, limit: int, state: ServerState, param: str
         )
 
 
-async def chat_prompt(
-    state: ServerState, messages: list[dict[str, str]], limit: int,
-    template: ChatTemplate | None = None,
-) -> ChatPrompt:  # fmt: skip
+async def _chat_prompt(
+    state: ServerState, messages: list[dict[str, Any]], limit: int, template: ChatTemplate
+) -> Prompt:
     """The chat's token ids: template text with its special tokens, message content as
     plain text (engine.chat_tokens). On a sliding-window model, also where its system
     block ends: the prefix cache can let others read a prompt only at points it offers
@@ -52,18 +78,19 @@ async def chat_prompt(
         return model.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     work = partial(
-        chat_prompt_ids, template or state.template, messages, tokenize, model.is_control,
+        chat_prompt_ids, template, messages, tokenize, model.is_control,
         add_bos=model.add_bos, bos_token=model.bos_token, find_system_end=model.n_swa > 0,
     )  # fmt: skip
     try:
-        return await anyio.to_thread.run_sync(work, limiter=state.prompt_workers)
+        prompt = await anyio.to_thread.run_sync(work, limiter=state.prompt_workers)
     except ChatTemplateError as e:
         raise InvalidRequest(str(e), param="messages") from None
+    return Prompt(prompt.ids, prompt.system_end)
 
 
-async def completion_prompts(
+async def _completion_prompts(
     state: ServerState, prompt: str | list[str | int], limit: int
-) -> list[list[int]]:
+) -> list[Prompt]:
     """Each prompt's token ids (a string, a list of strings, or one list of token ids)."""
     model = state.model
     if isinstance(prompt, str):
@@ -72,7 +99,7 @@ async def completion_prompts(
         ids = [int(p) for p in prompt]
         if any(not 0 <= t < model.n_vocab for t in ids):
             raise InvalidRequest(f"token ids must be in [0, {model.n_vocab})", param="prompt")
-        return [ids]
+        return [Prompt(ids)]
     elif all(isinstance(p, str) for p in prompt):
         texts = [str(p) for p in prompt]
     else:
@@ -82,7 +109,7 @@ async def completion_prompts(
     for text in texts:
         _refuse_if_too_long(len(text), limit, state, "prompt")
 
-    def tokenize_all() -> list[list[int]]:
-        return [model.tokenize(t, add_special=True, parse_special=True) for t in texts]
+    def tokenize_all() -> list[Prompt]:
+        return [Prompt(model.tokenize(t, add_special=True, parse_special=True)) for t in texts]
 
     return await anyio.to_thread.run_sync(tokenize_all, limiter=state.prompt_workers)

@@ -12,7 +12,7 @@ import anyio
 from starlette.requests import Request
 
 from api.errors import ServiceUnavailable
-from api.lanes import LaneOptions
+from api.lanes import REPRODUCIBLE, LaneOptions
 from api.limits import ConnectionLimits, RequestLimits
 from api.metrics import Metrics
 from engine.chat_template import ChatTemplate
@@ -74,10 +74,24 @@ class ServerState:
     tool_format: str | None = None  # the model's tool-call format (api.tool_calls), if served
     renders_tools: bool = True  # the template writes `tools` (else the server adds them)
 
+    def max_len(self, lane: str) -> int:
+        """Most tokens of prompt + completion in `lane`."""
+        return self.repro_max_len if lane == REPRODUCIBLE else self.max_model_len
+
 
 def server_state(request: Request) -> ServerState:
     """The serving state; a 503 while the model is still loading."""
     state: ServerState | None = request.app.state.server
     if state is None:
         raise ServiceUnavailable("the model is loading; try again shortly")
+    return state
+
+
+def working_state(request: Request) -> ServerState:
+    """The serving state for a request that asks for work: also a 503 once the server
+    drains (checked again when its sequences are queued: reading and tokenizing take
+    time)."""
+    state = server_state(request)
+    if state.draining:
+        raise ServiceUnavailable("the server is shutting down; retry on another instance")
     return state

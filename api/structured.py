@@ -1,4 +1,4 @@
-"""`response_format` → a grammar the engine constrains every choice's tokens with.
+"""`response_format` and `tools` → the one grammar the engine constrains every choice with.
 
 `{"type": "text"}` (or none) is free text; `{"type": "json_object"}` is any JSON object;
 `{"type": "json_schema", "json_schema": {"name": …, "schema": {…}, "strict": …}}` is JSON
@@ -7,19 +7,23 @@ client that sends `strict: false` also gets from vLLM); a schema the grammar com
 cannot take is a 400 naming `response_format`, never a silently unconstrained answer.
 Compiling runs on a worker thread: the first one builds the vocabulary's token trie
 (about a second on a 262K vocabulary), later ones take about a millisecond.
+
+`tools` and `tool_choice` are read here too (api.tool_calls writes their grammar): they
+decide what the template renders and what is parsed out of the answer, and a forced call
+is a grammar that must agree with the format's.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import anyio
-import msgspec
 
 from api.errors import InvalidRequest
-from api.schemas import ChatCompletionRequest
+from api.generation_request import Chat, GenerationRequest
 from api.state import ServerState
 from api.tool_calls import ToolSetup, tool_setup
 from engine.errors import GrammarError
@@ -61,30 +65,61 @@ async def response_grammar(state: ServerState, rf: Any) -> str | None:
         raise InvalidRequest(f"response_format: {e}", param=PARAM) from None
 
 
-def request_tools(
-    state: ServerState, req: ChatCompletionRequest, messages: list[dict[str, Any]]
-) -> ToolSetup:
+def request_tools(state: ServerState, req: GenerationRequest) -> ToolSetup:
     """What `tools` / `tool_choice` ask (api.tool_calls); a 400 naming what cannot be —
-    also a conversation with calls or tool results for a model that has no tool format."""
+    also a conversation with calls or tool results for a model that has no tool format.
+    Raw prompts have neither: nothing is rendered or parsed for them."""
+    if not isinstance(req.input, Chat):
+        return ToolSetup()
     if state.tool_format is None:
-        for i, m in enumerate(messages):
-            if m["role"] == "tool" or "tool_calls" in m:
-                what = "role" if m["role"] == "tool" else "tool_calls"
+        for i, m in enumerate(req.input.messages):
+            if m.role == "tool" or m.calls:
+                what = "role" if m.role == "tool" else "tool_calls"
                 raise InvalidRequest(
                     f"messages[{i}].{what}: this model's chat template writes no tool-call "
                     "format the server knows",
                     param=f"messages[{i}].{what}",
                 )
-    tools = [msgspec.to_builtins(t) for t in req.tools] if req.tools else None
+    t = req.tools
     try:
         return tool_setup(
-            tools, req.tool_choice, req.parallel_tool_calls, state.tool_format,
+            t.functions or None, t.choice, t.parallel, state.tool_format,
             partial(_literal, state), "function<｜tool▁sep｜>" in state.template.source,
             "[ARGS]" in state.template.source, state.renders_tools, partial(_special, state),
         )  # fmt: skip
     except ValueError as e:
         message, param = e.args
         raise InvalidRequest(message, param=param) from None
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """The grammar every choice's tokens are held to (lark, llguidance), if any; with a
+    `trigger`, only from the moment the model writes that token (`auto` tool calls)."""
+
+    grammar: str | None = None
+    trigger: int | None = None
+
+
+async def constrain(state: ServerState, response_format: Any, tools: ToolSetup) -> Constraint:
+    """The one grammar of `response_format` and the tools' `tool_choice` together: a
+    forced call and a format cannot both hold (400); `auto` beside a format leaves the
+    format in charge."""
+    grammar = await response_grammar(state, response_format)
+    if tools.grammar is not None and grammar is not None and tools.trigger is None:
+        raise InvalidRequest(
+            "a required or named tool_choice cannot be combined with a response_format",
+            param="tool_choice",
+        )
+    if tools.grammar is None or grammar is not None:
+        return Constraint(grammar)
+    try:
+        return Constraint(await tool_grammar(state, tools.grammar), tools.trigger)
+    except InvalidRequest:
+        if tools.trigger is None:
+            raise
+        # auto with a schema the grammar engine cannot take: parsed, not held
+        return Constraint()
 
 
 async def tool_grammar(state: ServerState, grammar: str) -> str:

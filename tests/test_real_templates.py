@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
+from api.rendering import TemplateArguments
 from api.tool_calls import detect, parse, renders_tools, tool_setup, with_prompt
-from api.validation import TemplateArguments
 from bench.peers import llama_cpp_source
 from engine.chat_template import ChatTemplate
 from tests.test_tool_calls import assert_every_cut
@@ -56,7 +56,7 @@ def templates() -> Path:
 
 
 def _call() -> dict[str, Any]:
-    """An assistant's call as the server hands it to templates (api.validation)."""
+    """An assistant's call as the server hands it to templates (api.rendering)."""
     args = TemplateArguments(json.dumps(ARGS), ARGS)
     return {"id": CALL_ID, "type": "function",
             "function": {"name": "get_weather", "arguments": args}}  # fmt: skip
