@@ -137,8 +137,9 @@ def test_concurrent_requests_all_complete_in_shared_steps() -> None:
         assert any(
             len(b.starts) > 0 and any(len(c.tokens) == 1 for c in b.chunks) for b in h.fake.batches
         )
-        await h.close()
+        assert await h.loop.drain(TIMEOUT_S)  # the finished sequences' Release sent
         assert h.loop.scheduler.kv.used == 0
+        await h.close()
         assert not h.loop.is_running
 
     run(main)
@@ -193,8 +194,9 @@ def test_abort_one_of_several_keeps_the_others_going() -> None:
         assert reqs[1].status is RequestStatus.FINISHED_ABORTED
         assert qs[1].qsize() == queued
         assert all(qs[1].get_nowait().finish_reason is None for _ in range(queued))
-        await h.close()
+        assert await h.loop.drain(TIMEOUT_S)  # the finished sequences' Release sent
         assert h.loop.scheduler.kv.used == 0
+        await h.close()
 
     run(main)
 
@@ -224,8 +226,9 @@ def test_backend_error_fails_only_that_steps_requests(fault: Exception) -> None:
         # A request that arrives after the failure is served normally.
         c = make_request("c", prompt(3, 2), 3)
         assert_reference(c, await h.collect(h.loop.add(c)))
-        await h.close()
+        assert await h.loop.drain(TIMEOUT_S)  # the finished sequences' Release sent
         assert h.loop.scheduler.kv.used == 0
+        await h.close()
 
     run(main)
 
@@ -245,8 +248,9 @@ def test_kv_cache_full_rolls_back_preempts_and_everything_completes() -> None:
         assert len(after.released) == 1 and len(after.starts) == 0
         restart = next(i for i, b in enumerate(h.fake.batches) if i > 4 and b.starts)
         assert any(b.released for b in h.fake.batches[5 : restart + 1])
-        await h.close()
+        assert await h.loop.drain(TIMEOUT_S)  # the finished sequences' Release sent
         assert h.loop.scheduler.kv.used == 0
+        await h.close()
 
     run(main)
 
