@@ -31,7 +31,10 @@ n_max, depth)` per prompt chunk, `observe(step, seconds)` once it ran, `stats()`
      pays for the decoders and a pass over the KV (a fake of the 2-core CPU, an 8K prompt:
      its first token 1.39x llama-server's in 250 ms or knee steps, 1.14x in a fifth of
      its pause). Where llama-server's pause is within the target (experts in host RAM:
-     any prompt step costs about the target), the knee stands, cut to LEAST_EFFICIENT.
+     any prompt step costs about the target), or where no chunk past the minimum fits in
+     that share (experts in host RAM, each physical batch using all of them: its copy to
+     the GPU alone takes more), a smaller step buys no shorter pause: the knee stands,
+     cut to LEAST_EFFICIENT.
 
   A step is bounded only when someone waits for it: decoders here, or requests of another
   lane that steps after it. A burst's step is not (every decoder has one token and no
@@ -159,7 +162,7 @@ class StallTarget:
         fast = self._fastest_within(
             alone, n_max, depth, gap / math.exp(self.correction + self.margin())
         )
-        if gap <= self.target:  # no pause of llama-server's to spend: the knee stands
+        if gap <= self.target or fast < self.min_chunk:  # no pause to spend on a chunk
             fast = max(fast, self._knee(alone, n_max, depth, self.LEAST_EFFICIENT))
         return fast - shared
 
