@@ -14,7 +14,8 @@
 #   structured (issue 21: bench.mask_time, bench.constrained all-GPU), native (engine alone, greedy and
 #   typical, 1/8/32 sequences: the native decode-and-sample step), deploy-run (deploy/run.sh end
 #   to end: dry run, serve, a request), stall24 (both stalls, ours at 250 ms), multiturn-cpumoe
-#   (the chat with experts in RAM, our default target), ubatch-ab (experts in RAM: physical
+#   (the chat with experts in RAM, our default target), issue32 (the experts-in-RAM stall,
+#   multiturn all-GPU and experts in RAM, each bounded), ubatch-ab (experts in RAM: physical
 #   batches of 512 and 2048 rows), cache-cuda and cache-curve (the routed-expert cache on
 #   the GPU: its tests, then bench.routing_curve; with .gpu-pre/ from
 #   bench/gpu_crossbuild.sh nothing is built here). At the end every result file is concatenated into
@@ -154,6 +155,17 @@ for s in "${steps[@]}"; do
         --prompt-tokens 65000 --decoders 4
       run stall-cpumoe python3 -m bench.stall --gpu --peer-bin "$PEER_BIN" \
         --model "$MODEL" --prompt-tokens 16384 --decoders 4 --cpu-moe ;;
+    issue32)  # issue 32 on the model whose tokens use every expert: the experts-in-RAM 16K
+      # stall, the chat and burst all on the GPU, then with the experts in RAM (bounded:
+      # each of llama-server's 512-row batches copies every expert, ~16 GB)
+      run stall-cpumoe timeout 420 python3 -m bench.stall --gpu --peer-bin "$PEER_BIN" \
+        --model "$MODEL" --prompt-tokens 16384 --decoders 4 --cpu-moe
+      run multiturn timeout 300 python3 -m bench.multiturn --gpu --peer-bin "$PEER_BIN" \
+        --model "$MODEL" --n-ctx 139264 --peer-args "--cache-ram 0" --scenario-timeout 120 \
+        --json "$R/multiturn.json"
+      run multiturn-cpumoe timeout 560 python3 -m bench.multiturn --gpu --cpu-moe \
+        --peer-bin "$PEER_BIN" --model "$MODEL" --n-ctx 139264 --peer-args "--cache-ram 0" \
+        --scenario-timeout 180 --json "$R/multiturn-cpumoe.json" ;;
     multiturn-cpumoe)  # issue 20 with the default stall target: experts in RAM, chat only
       run multiturn-cpumoe python3 -m bench.multiturn --gpu --cpu-moe --peer-bin "$PEER_BIN" \
         --model "$MODEL" --n-ctx 139264 --peer-args "--cache-ram 0" --scenario chat \
