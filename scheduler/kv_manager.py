@@ -63,6 +63,7 @@ class KVManager:
         self.pending = KVBatchOps()  # for the next batch (read-only outside)
         self._unhold_after: list[int] = []  # holder ids released by ops not yet sent
         self._unhold_ready: list[int] = []  # ... sent: free at the next step
+        self._release_next: list[int] = []  # seq ids a pending op copies from: next batch
         # Set when the engine refused KV these books allowed: admit nobody new until a
         # request finishes (real room) or nothing runs, or the refusal repeats forever.
         self._backoff = False
@@ -307,9 +308,16 @@ class KVManager:
             self._release_seq(req)
 
     def _release_seq(self, req: Request) -> None:
+        """Its id and cells go back with the next batch — or, where that batch copies from
+        it into a cache holder (a prompt it offered in the step just run), with the one
+        after: the engine applies a batch's releases before its cache ops, so the copy
+        would find nothing; until then its id and cells stay taken."""
         if req.seq_id is not None:
-            self._pool.close(req.seq_id)
-            self.pending.released.append(req.seq_id)
+            if any(isinstance(op, Share) and op.src == req.seq_id for op in self.pending.kv_ops):
+                self._release_next.append(req.seq_id)
+            else:
+                self._pool.close(req.seq_id)
+                self.pending.released.append(req.seq_id)
             req.seq_id = None
 
     # ---- the prefix cache's books ----------------------------------------------------
@@ -470,6 +478,10 @@ class KVManager:
         """What the next batch must carry; the holder ids it releases are free once it ran."""
         ops, self.pending = self.pending, KVBatchOps()
         self._unhold_ready, self._unhold_after = self._unhold_after, []
+        for seq in self._release_next:  # their copies go out in `ops`: released after it
+            self._pool.close(seq)
+            self.pending.released.append(seq)
+        self._release_next = []
         return ops
 
     def report(self, stats: StepStats, running: Iterable[Request]) -> None:
