@@ -13,9 +13,9 @@ finished sequence?"; it never sees a lease's node or a holder id.
 It is as pure as the scheduler: it never calls the engine. Every change the engine must
 make is collected as data for the next batch (`take_ops`), the way `PrefixIndex` returns
 its ops; a holder id whose release is in a batch is free only once that batch ran
-(`begin_step`), so no id is handed out while the engine still tags cells with it.
-(vLLM v1 splits its scheduler from its KVCacheManager the same way; the cache here is
-SGLang's kind, a radix tree over one unified llama.cpp cache, not a block pool.)
+(`begin_step`), so no id is handed out while the engine still tags cells with it. (vLLM
+v1 splits its scheduler from its KVCacheManager the same way; the cache here is SGLang's
+kind, a radix tree over one unified llama.cpp cache.)
 """
 
 from __future__ import annotations
@@ -141,11 +141,10 @@ class KVManager:
     def committed(self, running: Iterable[Request]) -> int:
         """Cells the running requests will still take beyond what they hold: the rest of
         their prompts and their expected growth."""
-        total = 0
-        for r in running:
-            total += max(0, r.num_tokens - r.shared - self.own_cells(r))
-            total += self.growth_cells(r)
-        return total
+        return sum(
+            max(0, r.num_tokens - r.shared - self.own_cells(r)) + self.growth_cells(r)
+            for r in running
+        )
 
     def short_of_kv(self, waiting: Iterable[Request], committed: int) -> bool:
         """KV pressure: the waiting requests need more cells than are left beside what the
@@ -175,9 +174,8 @@ class KVManager:
 
     # ---- cells for a chunk -----------------------------------------------------------
     def start(self, req: Request, cached: int, cells: int) -> int:
-        """Admit `req`: a sequence id, its swapped KV restored into it or the `cached`
-        prefix it reads lent to it, and `cells` more reserved (evicting unread cache for
-        them; the caller asked `room_for`). Returns the sequence id."""
+        """Admit `req`: a sequence id (returned), its swapped KV restored into it or the
+        `cached` prefix lent to it, `cells` more reserved (the caller asked `room_for`)."""
         seq = req.seq_id = self._pool.open()
         if req.swap_key is not None:  # it leaves the swap space once restored
             self.pending.swap_in.append((req.swap_key, seq))
@@ -280,9 +278,8 @@ class KVManager:
         req.swap_key = None
 
     def engine_refused(self, batch: StepBatch, reqs: list[Request]) -> None:
-        """The engine found no KV slot despite these books (llama.cpp left its cache as
-        before the call): the restores ran, the chunks' cells are given back, and nobody
-        new is admitted for now (`admits_new`)."""
+        """The engine found no KV slot despite these books (its cache left as before): the
+        restores ran, the chunks' cells come back, nobody new is admitted (`admits_new`)."""
         self.swaps_ran(batch.swap_in)
         for req, chunk in zip(reqs, batch.chunks, strict=True):
             if req.seq_id is not None:
@@ -291,9 +288,8 @@ class KVManager:
 
     # ---- finishing -------------------------------------------------------------------
     def finish(self, req: Request, keep: bool) -> None:
-        """`req` ends (before its status says so). `keep`: it ended by its tokens or text,
-        so its KV joins the prefix cache where it may (`_keep_as_cache`); else it is freed.
-        Its copy in host RAM, if any, goes."""
+        """`req` ends (before its status says so). `keep` (it ended by its tokens or text):
+        its KV joins the cache where it may; else it is freed. A copy in host RAM goes."""
         if req.status is RequestStatus.RUNNING:
             self._backoff = False  # real room: the engine's refusal may not repeat
         if req.swap_key is not None:
@@ -308,16 +304,14 @@ class KVManager:
             self._release_seq(req)
 
     def _release_seq(self, req: Request) -> None:
-        """Its id and cells go back with the next batch — or, where that batch copies from
-        it into a cache holder (a prompt it offered in the step just run), with the one
-        after: the engine applies a batch's releases before its cache ops, so the copy
-        would find nothing; until then its id and cells stay taken."""
-        if req.seq_id is not None:
-            if any(isinstance(op, Share) and op.src == req.seq_id for op in self.pending.kv_ops):
-                self._release_next.append(req.seq_id)
+        """Its id and cells go with the next batch; where that batch copies from it into a
+        holder (a prompt just offered), with the one after: releases run before copies."""
+        if (seq := req.seq_id) is not None:
+            if any(isinstance(op, Share) and op.src == seq for op in self.pending.kv_ops):
+                self._release_next.append(seq)
             else:
-                self._pool.close(req.seq_id)
-                self.pending.released.append(req.seq_id)
+                self._pool.close(seq)
+                self.pending.released.append(seq)
             req.seq_id = None
 
     # ---- the prefix cache's books ----------------------------------------------------
@@ -476,11 +470,10 @@ class KVManager:
 
     def take_ops(self) -> KVBatchOps:
         """What the next batch must carry; the holder ids it releases are free once it ran."""
-        ops, self.pending = self.pending, KVBatchOps()
+        ops, self.pending = self.pending, KVBatchOps(released=self._release_next)
         self._unhold_ready, self._unhold_after = self._unhold_after, []
-        for seq in self._release_next:  # their copies go out in `ops`: released after it
+        for seq in self._release_next:  # (their copies go out in `ops`)
             self._pool.close(seq)
-            self.pending.released.append(seq)
         self._release_next = []
         return ops
 
