@@ -63,10 +63,6 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--cpu-moe", action="store_true",
                    help="keep every routed expert in host RAM (llama.cpp's --cpu-moe)")  # fmt: skip
     _plan_options(s)
-    s.add_argument("--pin-experts", action="store_true",
-                   help="keep the tensors placed in host RAM in page-locked memory (with a "
-                   "GPU): prompt batches copy the experts they use to the GPU ~3x faster; "
-                   "costs their size in locked RAM")  # fmt: skip
     s.add_argument("--no-mmap", action="store_true",
                    help="read the model into memory instead of mapping it (tensors in RAM "
                    "can then be repacked for faster CPU matmuls)")  # fmt: skip
@@ -416,7 +412,6 @@ def serve_settings(args: argparse.Namespace) -> ServerSettings:
         expert_cache_fill=None if counts is None else str(counts),
         expert_cache_uploads=args.expert_cache_uploads,
         use_mmap=not args.no_mmap,
-        pin_host_tensors=args.pin_experts,
     )
     lanes = LaneOptions(
         cpu_numerics=args.cpu_numerics,

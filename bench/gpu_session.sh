@@ -15,8 +15,7 @@
 #   typical, 1/8/32 sequences: the native decode-and-sample step), deploy-run (deploy/run.sh end
 #   to end: dry run, serve, a request), stall24 (both stalls, ours at 250 ms), multiturn-cpumoe
 #   (the chat with experts in RAM, our default target), issue32 (the experts-in-RAM stall,
-#   multiturn all-GPU and experts in RAM, each bounded), pin (--pin-experts: its test, the
-#   experts-in-RAM stall pinned and not), ubatch-ab (experts in RAM: physical
+#   multiturn all-GPU and experts in RAM, each bounded), ubatch-ab (experts in RAM: physical
 #   batches of 512 and 2048 rows), cache-cuda and cache-curve (the routed-expert cache on
 #   the GPU: its tests, then bench.routing_curve; with .gpu-pre/ from
 #   bench/gpu_crossbuild.sh nothing is built here). At the end every result file is concatenated into
@@ -167,14 +166,6 @@ for s in "${steps[@]}"; do
       run multiturn-cpumoe timeout 560 python3 -m bench.multiturn --gpu --cpu-moe \
         --peer-bin "$PEER_BIN" --model "$MODEL" --n-ctx 139264 --peer-args "--cache-ram 0" \
         --scenario-timeout 180 --json "$R/multiturn-cpumoe.json" ;;
-    pin)  # experts in page-locked RAM (--pin-experts): its placement test, then the
-      # experts-in-RAM 16K stall pinned (llama-server in the same run) and not pinned
-      run pin-test timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py \
-        -k "pinned or stay_in_host"
-      run stall-cpumoe-pinned timeout 330 python3 -m bench.stall --gpu --peer-bin "$PEER_BIN" \
-        --model "$MODEL" --prompt-tokens 16384 --decoders 4 --cpu-moe --ours-args="--pin-experts"
-      run stall-cpumoe-plain timeout 200 python3 -m bench.stall --gpu --no-peer \
-        --model "$MODEL" --prompt-tokens 16384 --decoders 4 --cpu-moe ;;
     multiturn-cpumoe)  # issue 20 with the default stall target: experts in RAM, chat only
       run multiturn-cpumoe python3 -m bench.multiturn --gpu --cpu-moe --peer-bin "$PEER_BIN" \
         --model "$MODEL" --n-ctx 139264 --peer-args "--cache-ram 0" --scenario chat \

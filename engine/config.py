@@ -51,10 +51,6 @@ class EngineConfig:
     # Regexes of tensor names kept in host RAM whatever n_gpu_layers says (llama.cpp's
     # `-ot ...=CPU`); engine.placement.CPU_MOE is its `--cpu-moe`.
     cpu_tensors: tuple[str, ...] = ()
-    # Those tensors in page-locked RAM where there is a GPU (engine.placement.CpuOverrides):
-    # a prompt batch's copy of the experts it uses runs at the link's full speed. Costs their
-    # size in locked RAM (and a read of the file at load instead of a mapping).
-    pin_host_tensors: bool = False
     # Share of steps whose MoE router choices are read back (engine.expert_tap); 0 = off,
     # and off attaches nothing to the context.
     expert_sample_rate: float = 0.0

@@ -50,11 +50,7 @@ class Model:
             # (llama.cpp repacks Q4_0 and others on AVX2 hosts, even mapped): the cache's
             # bank takes byte copies of GGUF expert slices, and a repacked tensor is not one.
             mparams.use_extra_bufts = False
-        overrides = (
-            CpuOverrides(ll, list(cfg.cpu_tensors), cfg.pin_host_tensors)
-            if cfg.cpu_tensors
-            else None
-        )
+        overrides = CpuOverrides(ll, list(cfg.cpu_tensors)) if cfg.cpu_tensors else None
         if overrides is not None:
             mparams.tensor_buft_overrides = overrides.pointer
         if progress is not None:

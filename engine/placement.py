@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 # llama.cpp's own `--cpu-moe`: every routed expert's weights (not the shared experts).
 CPU_MOE = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
-_DEVICE_CPU, _DEVICE_GPU = 0, 1  # enum ggml_backend_dev_type: ..._CPU, ..._GPU
+_DEVICE_CPU = 0  # enum ggml_backend_dev_type: GGML_BACKEND_DEVICE_TYPE_CPU
 
 
 class _Override(ctypes.Structure):
@@ -49,32 +49,12 @@ def cpu_buffer_type(ll: Any) -> int:
     return buft
 
 
-def pinned_buffer_type(ll: Any) -> int | None:
-    """The first GPU's host buffer type — page-locked RAM, which the GPU copies from at
-    the link's full speed (pageable pages go through a staging copy, ~3x slower for a
-    prompt batch's experts) — or None without a GPU."""
-    ggml = libggml(ll)
-    ggml.ggml_backend_dev_by_type.restype = ctypes.c_void_p
-    ggml.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
-    ggml.ggml_backend_dev_host_buffer_type.restype = ctypes.c_void_p
-    ggml.ggml_backend_dev_host_buffer_type.argtypes = [ctypes.c_void_p]
-    dev = ggml.ggml_backend_dev_by_type(_DEVICE_GPU)
-    buft: int | None = ggml.ggml_backend_dev_host_buffer_type(dev) if dev else None
-    return buft or None
-
-
 class CpuOverrides:
     """Tensors matching any of `patterns` stay in host RAM; pass `.pointer` as
-    `tensor_buft_overrides` and keep this object alive until the model has loaded.
-    `pinned`: in page-locked RAM where there is a GPU (a prompt batch of 32 rows or more
-    copies the experts it uses to the GPU: all of them, with real routing), the plain
-    CPU buffer otherwise; the file is then read into it, not mapped."""
+    `tensor_buft_overrides` and keep this object alive until the model has loaded."""
 
-    def __init__(self, ll: Any, patterns: list[str], pinned: bool = False) -> None:
-        buft = (pinned_buffer_type(ll) if pinned else None) or cpu_buffer_type(ll)
-        if pinned:
-            log.info("tensors in host RAM: %s", "page-locked" if buft != cpu_buffer_type(ll)
-                     else "no GPU: pageable")  # fmt: skip
+    def __init__(self, ll: Any, patterns: list[str]) -> None:
+        buft = cpu_buffer_type(ll)
         self._patterns = [p.encode() for p in patterns]  # owned: the array points into them
         self._array = (_Override * (len(patterns) + 1))()
         for i, p in enumerate(self._patterns):
