@@ -121,10 +121,8 @@ class ItemStream:
         """The last item closed (incomplete when `cut`), and the empty message of an
         answer without text or calls."""
         if not any(isinstance(i, MessageItem | FunctionCallItem) for i in self.items):
-            open_text = self._open is not None and self._open.is_text
-            if not open_text:
-                yield from self._close("completed")
-                yield from self._start(-1, True)
+            yield from self._close("completed")
+            yield from self._start(-1, True)
         yield from self._close("incomplete" if cut else "completed")
 
     def _start(self, block: int, is_text: bool) -> Iterator[StreamEvent]:
