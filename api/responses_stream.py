@@ -96,12 +96,8 @@ class ItemStream:
         self.items: list[OutputItem] = []
         self.reasoning_text = ""  # all of it, for the usage's reasoning tokens
 
-    @property
-    def sequence(self) -> int:
-        """The next event's sequence number."""
-        return self._seq
-
     def next(self) -> int:
+        """The next event's sequence number (the codec's own events take theirs here too)."""
         self._seq += 1
         return self._seq - 1
 
