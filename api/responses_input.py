@@ -41,8 +41,6 @@ def refuse_unserved(req: ResponsesRequest) -> None:
         raise refuse("prompt", "stored prompts; send `instructions` and `input`")
     if req.background:
         raise refuse("background", "background responses; stream instead")
-    if req.max_tool_calls is not None:
-        raise refuse("max_tool_calls", "a bound on built-in tool calls")
     if req.top_logprobs:
         raise refuse("top_logprobs", "logprobs on this route")
     if req.include and "message.output_text.logprobs" in req.include:

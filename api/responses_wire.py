@@ -104,12 +104,12 @@ class ResponsesRequest(Struct, kw_only=True):
     store: bool | None = None
     include: list[str] | None = None  # nothing extra to include (no encrypted reasoning)
     truncation: Literal["auto", "disabled"] | None = None  # too long is a 400 either way
+    max_tool_calls: int | None = None  # bounds built-in tools' calls: there are none
     # refused by name: they ask for state the server does not keep, or output it lacks
     previous_response_id: str | None = None
     conversation: Any = None
     prompt: Any = None
     background: bool | None = None
-    max_tool_calls: int | None = None
     top_logprobs: int | None = None
     # the server's extensions, as on chat completions
     top_k: Annotated[int, Meta(ge=0)] | None = None

@@ -33,7 +33,7 @@ EVENTS: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
 
 
 def _request(**body: Any) -> ResponsesRequest:
-    return msgspec.convert({"model": "m", **body}, ResponsesRequest)
+    return msgspec.convert({"model": "m", "input": "hi", **body}, ResponsesRequest)
 
 
 def test_function_calls_join_the_assistant_turn_and_outputs_are_tool_results() -> None:
