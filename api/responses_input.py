@@ -85,7 +85,8 @@ def messages_of(
         elif item.type == "reasoning":
             continue
         elif item.type == "item_reference":
-            raise refuse(f"{where}.type", "this server keeps no items; send the item itself")
+            raise refuse(f"{where}.type", "'item_reference' items: this server keeps no items; "
+                         "send the item itself")  # fmt: skip
         else:
             raise refuse(f"{where}.type", f"{item.type!r} items")
         origin.append(i)
