@@ -32,7 +32,7 @@ from api.http_status import StatusCounter
 from api.http_status import count as count_status
 from api.lanes import FAST, REPRODUCIBLE, fingerprints
 from api.metrics import CONTENT_TYPE, Metrics
-from api.openai_routes import chat_completions, completions, list_models
+from api.openai_routes import chat_completions, completions, list_models, responses
 from api.openapi import openapi_json
 from api.reasoning import template_reasons
 from api.state import ServerSettings, ServerState, server_state
@@ -312,6 +312,7 @@ def build_app(settings: ServerSettings) -> Starlette:
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

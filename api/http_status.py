@@ -9,8 +9,8 @@ from __future__ import annotations
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 ROUTES = frozenset({
-    "/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
-    "/experts", "/openapi.json",
+    "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health",
+    "/metrics", "/experts", "/openapi.json",
 })  # fmt: skip
 
 

@@ -1,9 +1,9 @@
-"""The OpenAI routes: /v1/chat/completions, /v1/completions, /v1/models.
+"""The OpenAI routes: /v1/chat/completions, /v1/completions, /v1/responses, /v1/models.
 
 A generating route is a codec around the one pipeline: it decodes its API's body into a
-`GenerationRequest` (api.openai_chat, api.openai_completions), `api.pipeline.prepare`
-validates, renders, tokenizes and queues it, and `api.respond` streams or collects the
-generation back through the same codec.
+`GenerationRequest` (api.openai_chat, api.openai_completions, api.openai_responses),
+`api.pipeline.prepare` validates, renders, tokenizes and queues it, and `api.respond`
+streams or collects the generation back through the same codec.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ from api.auth import client_of
 from api.body import read_json
 from api.openai_chat import ChatCodec
 from api.openai_completions import CompletionCodec
+from api.openai_responses import ResponsesCodec
 from api.pipeline import prepare
 from api.respond import json_response, respond
+from api.responses_wire import RESPONSES_DECODER
 from api.schemas import CHAT_DECODER, COMPLETION_DECODER, ModelCard, ModelList
 from api.state import server_state, working_state
 
@@ -34,6 +36,17 @@ async def completions(request: Request) -> Response:
         state, await read_json(request, COMPLETION_DECODER, state.settings.limits)
     )
     gen = await prepare(state, codec.decode(), client_of(request.scope))
+    return await respond(request, gen, codec)
+
+
+async def responses(request: Request) -> Response:
+    """Stateless: `store` is accepted and nothing is kept, so any replica can answer."""
+    state = working_state(request)
+    codec = ResponsesCodec(
+        state, await read_json(request, RESPONSES_DECODER, state.settings.limits)
+    )
+    with codec.api_names():
+        gen = await prepare(state, codec.decode(), client_of(request.scope))
     return await respond(request, gen, codec)
 
 

@@ -16,6 +16,8 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from api.responses_wire import Response as ResponseObject
+from api.responses_wire import ResponsesRequest, StreamEvent
 from api.schemas import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -140,9 +142,12 @@ def openapi_document(title: str, version: str) -> dict[str, Any]:
         ChatCompletionRequest, ChatCompletion, ChatCompletionChunk,
         CompletionRequest, Completion,
         ModelList, ErrorBody, ExpertReport,
+        ResponsesRequest, ResponseObject, StreamEvent,
     )  # fmt: skip
     refs, components = msgspec.json.schema_components(types, ref_template=REF)
-    chat, completion, (models, error, experts) = refs[0:3], refs[3:5], refs[5:]
+    chat, completion, (models, error, experts), responses = (
+        refs[0:3], refs[3:5], refs[5:8], refs[8:11]
+    )  # fmt: skip
     paths = {
         "/v1/chat/completions": _generation(
             "createChatCompletion", "Create a chat completion", chat, error
@@ -152,6 +157,13 @@ def openapi_document(title: str, version: str) -> dict[str, Any]:
             "createCompletion",
             "Create a text completion",
             (*completion, completion[1]),
+            error,
+        ),
+        "/v1/responses": _generation(
+            # stream frames are typed events (`event:` names the type), no `[DONE]`
+            "createResponse",
+            "Create a model response (stateless)",
+            responses,
             error,
         ),
         "/v1/models": _get(

@@ -140,7 +140,7 @@ def steer(doc: dict[str, Any], model: str, *, max_tokens: int | None = None) -> 
                                           {"type": "null"}]},
     }  # fmt: skip
     if max_tokens is not None:
-        for key in ("max_tokens", "max_completion_tokens"):
+        for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             narrow[key] = {"type": "integer", "minimum": 1, "maximum": max_tokens}
     schemas = out["components"]["schemas"]
     for name in _request_components(out):
@@ -149,8 +149,9 @@ def steer(doc: dict[str, Any], model: str, *, max_tokens: int | None = None) -> 
         for key, value in narrow.items():
             if key in props:
                 props[key] = value
-        if max_tokens is not None and "max_tokens" in props and "model" in props:
-            schema["required"] = sorted({*schema.get("required", []), "max_tokens"})
+        limit = next((k for k in ("max_tokens", "max_output_tokens") if k in props), None)
+        if max_tokens is not None and limit is not None and "model" in props:
+            schema["required"] = sorted({*schema.get("required", []), limit})
     return out
 
 

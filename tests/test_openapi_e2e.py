@@ -35,6 +35,7 @@ MAX_TOKENS = 4  # what a valid generated body may ask for
 PATHS = {
     "/v1/chat/completions": "post",
     "/v1/completions": "post",
+    "/v1/responses": "post",
     "/v1/models": "get",
     "/health": "get",
     "/metrics": "get",
@@ -86,7 +87,7 @@ def test_openapi_json_is_a_valid_openapi_31_document(fuzz_server: Server) -> Non
         assert ref.startswith("#/components/schemas/"), ref
         assert ref.rsplit("/", 1)[1] in schemas, f"unresolved {ref}"
     assert {path: next(iter(item)) for path, item in doc["paths"].items()} == PATHS
-    for path in ("/v1/chat/completions", "/v1/completions"):
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
         op = doc["paths"][path]["post"]
         assert "application/json" in op["requestBody"]["content"]
         assert set(op["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
