@@ -106,7 +106,8 @@ async def tokenize(request: Request) -> Response:
                               body.parse_special)  # fmt: skip
         if body.with_pieces:
             return json_response(LlamaTokens(await _off_loop(state, _pieces, state, ids)))
-        return json_response(LlamaTokens(list(ids)))
+        plain: list[int | Piece] = list(ids)
+        return json_response(LlamaTokens(plain))
     else:
         raise InvalidRequest(
             "tokenize needs `content` (llama-server's shape), or `prompt` or `messages` "
