@@ -34,7 +34,9 @@ from api.generation_request import Message
 from api.tool_calls import Call, ToolSetup, checked_choice, tool_list
 
 GENERIC = "generic"
-_TIGHT = {"whitespace_flexible": False}  # (as engine.grammar: no unbounded whitespace)
+# No unbounded whitespace (as engine.grammar), and the separators of the examples the
+# model is told and of the earlier calls it sees (json.dumps'): one way to write a call.
+_TIGHT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def generic_setup(
