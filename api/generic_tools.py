@@ -16,8 +16,9 @@ a plain answer comes back as text content. Parsed calls are the same `Call`s the
 formats give, so every API's encoding of them is unchanged.
 
 Streaming: a plain answer's text streams as it is written (the JSON string decoded as it
-comes, an escape held until it is whole); calls come whole when the answer ends — the
-envelope's JSON never reaches a client as text.
+comes, an escape held until it is whole); each call comes whole once its object closes,
+and a list cut short by max_tokens keeps the calls it finished — the envelope's JSON never
+reaches a client as text.
 
 Such a template has no place for calls or tool results either, so the conversation's are
 rendered as plain turns: an earlier call as the assistant's JSON (what the model is told
@@ -164,73 +165,130 @@ def text_turns(messages: tuple[Message, ...]) -> list[dict[str, Any]]:
 
 
 # ---- reading the answer back --------------------------------------------------------
-_UNDECIDED, _TEXT, _RESPONSE, _CALLS, _DONE = range(5)
+_UNDECIDED, _TEXT, _RESPONSE, _CALLS, _OTHER, _DONE = range(6)
 _RESPONSE_HEAD = ("{", '"response"', ":", '"')
+_CALLS_HEAD = ("{", '"tool_calls"', ":", "[")
 
 
 class EnvelopeStream:
     """One choice's streamed answer in the generic format, with `ToolStream`'s interface
-    (api.answer): `{"response": "…"}` streams the text as it is decoded; `{"tool_calls":
-    […]}` is held and read when the answer ends. An answer that is not JSON at all (a
-    grammar that could not be compiled for `auto`) is content as it is; JSON that is no
-    envelope, or not finished, is content when the answer ends (shown, not lost)."""
+    (api.answer): `{"response": "…"}` streams its text as it is decoded; each call of
+    `{"tool_calls": […]}` comes once its object closes, and a list cut short (max_tokens)
+    keeps the calls it finished — its JSON is never content. An answer that is not JSON
+    (`auto` whose grammar could not be compiled) is content as it is; other JSON is read
+    whole when the answer ends, and is content if it is no envelope (shown, not lost)."""
 
     def __init__(self) -> None:
-        self._buf = ""  # what is not yet content or dropped (all of it, while calls)
+        self._buf = ""  # not yet content, calls or dropped
         self._mode = _UNDECIDED
+        self._scan = 0  # calls: where the scan of `_buf` goes on
+        self._depth = 0  # calls: nesting inside the list (0: between calls)
+        self._in_string = self._escaped = False
         self.calls: list[Call] = []
         self.content = ""
 
     def feed(self, text: str) -> tuple[str, list[Call]]:
         self._buf += text
-        out = self._advance()
+        out, calls = self._advance()
         self.content += out
-        return out, []
+        self.calls += calls
+        return out, calls
 
     def flush(self) -> tuple[str, list[Call]]:
-        if self._mode in (_UNDECIDED, _CALLS):
+        text, calls = "", list[Call]()
+        if self._mode == _OTHER:
             text, calls = read_envelope(self._buf)
-        else:  # a response cut short: its finished escapes are out, the rest is dropped
-            text, calls = "", []
         self._buf = ""
         self.content += text
         self.calls += calls
         return text, calls
 
-    def _advance(self) -> str:
+    def _advance(self) -> tuple[str, list[Call]]:
         if self._mode == _UNDECIDED:
-            lead = self._buf.lstrip()
-            if not lead:
-                return ""
-            if lead[0] != "{":
-                self._mode = _TEXT
-            else:
-                at = _response_start(self._buf)
-                if at is None:
-                    return ""  # could still be either
-                if at < 0:
-                    self._mode = _CALLS
-                    return ""
-                self._mode, self._buf = _RESPONSE, self._buf[at:]
+            self._decide()
         if self._mode == _TEXT:
             out, self._buf = self._buf, ""
-            return out
+            return out, []
         if self._mode == _RESPONSE:
             out, used, closed = string_prefix(self._buf)
             self._buf = self._buf[used:]
             if closed:
                 self._mode, self._buf = _DONE, ""
-            return out
+            return out, []
+        if self._mode == _CALLS:
+            return self._scan_calls()
         if self._mode == _DONE:
             self._buf = ""
-        return ""
+        return "", []
+
+    def _decide(self) -> None:
+        """Which answer this is, once its start tells (until then all is held)."""
+        lead = self._buf.lstrip()
+        if not lead:
+            return
+        if lead[0] != "{":
+            self._mode = _TEXT
+            return
+        response, calls = _head_end(self._buf, _RESPONSE_HEAD), _head_end(self._buf, _CALLS_HEAD)
+        if response is not None and response > 0:
+            self._mode, self._buf = _RESPONSE, self._buf[response:]
+        elif calls is not None and calls > 0:
+            self._mode, self._buf = _CALLS, self._buf[calls:]
+        elif response == calls == -1:
+            self._mode = _OTHER
+
+    def _scan_calls(self) -> tuple[str, list[Call]]:
+        """The calls whose objects closed in what came; a list element that is not a call
+        is content (shown, as the native formats show a malformed call)."""
+        out, calls, buf = "", list[Call](), self._buf
+        start = 0 if self._depth else -1
+        i = self._scan
+        while i < len(buf):
+            c = buf[i]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif c == "\\":
+                    self._escaped = True
+                elif c == '"':
+                    self._in_string = False
+            elif c == '"':
+                self._in_string = True
+            elif c in "{[":
+                if self._depth == 0:
+                    start = i
+                self._depth += 1
+            elif c in "}]":
+                if self._depth == 0:  # the list's end: the rest of the envelope is dropped
+                    self._mode, self._buf, self._scan = _DONE, "", 0
+                    return out, calls
+                self._depth -= 1
+                if self._depth == 0:
+                    element = buf[start : i + 1]
+                    call = _call(_loads(element))
+                    if call is None:
+                        out += element
+                    else:
+                        calls.append(call)
+                    start = -1
+            i += 1
+        keep = start if self._depth else len(buf)  # an unfinished call stays held
+        self._buf, self._scan = buf[keep:], i - keep
+        return out, calls
 
 
-def _response_start(buf: str) -> int | None:
-    """Where the text of `{"response": "` starts in `buf`; None while `buf` may still
-    become that head, -1 once it cannot (JSON whitespace between the pieces)."""
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _head_end(buf: str, head: tuple[str, ...]) -> int | None:
+    """Where `buf` goes on after `head`'s pieces (JSON whitespace between them); None
+    while `buf` may still become the head, -1 once it cannot."""
     pos = 0
-    for piece in _RESPONSE_HEAD:
+    for piece in head:
         while pos < len(buf) and buf[pos] in " \t\r\n":
             pos += 1
         got = buf[pos : pos + len(piece)]

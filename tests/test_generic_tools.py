@@ -63,8 +63,11 @@ def _every_cut(text: str, rng: random.Random, tries: int = 200) -> list[tuple[st
      (ANSWER, ANSWER_TEXT, []),
      ('  {"response" : "ok"}', "ok", []),
      ("Plain text, no JSON.", "Plain text, no JSON.", []),
-     ('{"tool_calls": [{"name": "get_weather", "argu', '{"tool_calls": [{"name": "get_weather", '
-      '"argu', []),
+     ('{"tool_calls": [{"name": "get_weather", "argu', "", []),
+     (CALLS[: CALLS.index('{"name": "get_time"')] + '{"name": "get_ti', "",
+      [("get_weather", {"city": "Paris", "days": 2})]),
+     ('{"tool_calls": [{"x": 1}, {"name": "get_time", "arguments": {}}]}', '{"x": 1}',
+      [("get_time", {})]),
      ('{"other": 1}', '{"other": 1}', []),
      ('{"tool_call": {"name": "get_time", "arguments": "{}"}}', "", [("get_time", {})]),
      ('{"response": {"a": 1}}', '{"a": 1}', [])],
@@ -72,8 +75,9 @@ def _every_cut(text: str, rng: random.Random, tries: int = 200) -> list[tuple[st
 def test_every_cut_of_an_answer_reads_as_the_whole(
     text: str, content: str, calls: list[tuple[str, dict[str, Any]]]
 ) -> None:
-    """Calls come whole at the end; a plain answer is its decoded text, streamed; what is
-    neither (not JSON, no envelope, cut short) is content as written."""
+    """Each call comes whole, the calls a list cut short finished too, never their JSON as
+    text; a plain answer is its decoded text; what is neither (not JSON, no envelope) is
+    content as written."""
     got_content, got_calls = parse_generic(text)
     assert (got_content, [(c.name, json.loads(c.arguments)) for c in got_calls]) == (
         content, calls,
@@ -81,14 +85,18 @@ def test_every_cut_of_an_answer_reads_as_the_whole(
     assert all(cut == (content, calls) for cut in _every_cut(text, random.Random(len(text))))
 
 
-def test_a_plain_answer_streams_as_it_is_written_and_calls_never_do() -> None:
+def test_a_plain_answer_streams_as_written_and_each_call_when_it_closes() -> None:
     stream = EnvelopeStream()
     assert stream.feed('{"response": "Hel') == ("Hel", [])
     assert stream.feed("lo \\u00e") == ("lo ", [])  # an escape is held until whole
     assert stream.feed('9"}') == ("é", [])
-    calls = EnvelopeStream()
-    assert [calls.feed(piece)[0] for piece in (CALLS[:20], CALLS[20:])] == ["", ""]
-    assert [c.name for c in calls.flush()[1]] == ["get_weather", "get_time"]
+    calls, first_ends = EnvelopeStream(), CALLS.index("}}") + 2
+    assert calls.feed(CALLS[:20]) == ("", [])
+    text, first = calls.feed(CALLS[20:first_ends])  # a call comes once its object closes
+    assert text == "" and [c.name for c in first] == ["get_weather"]
+    text, second = calls.feed(CALLS[first_ends:])
+    assert text == "" and [c.name for c in second] == ["get_time"]
+    assert calls.flush() == ("", [])
 
 
 def test_a_json_string_prefix_stops_before_a_partial_escape() -> None:
