@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from api.generic_tools import GENERIC, EnvelopeStream
 from api.output_blocks import Block, Reasoning, Text, ToolUse
 from api.reasoning import ReasoningSplit
 from api.tool_calls import Call, ToolStream
@@ -28,7 +29,11 @@ class AnswerSplit:
         only (`parallel_tool_calls: false`)."""
         self._one_call = one_call
         self._reasoning = ReasoningSplit(reasoning_tail) if reasoning_tail is not None else None
-        self._tools = ToolStream(tool_format) if tool_format else None
+        self._tools: ToolStream | EnvelopeStream | None = None
+        if tool_format == GENERIC:
+            self._tools = EnvelopeStream()
+        elif tool_format:
+            self._tools = ToolStream(tool_format)
         self.all = Parts()
 
     def feed(self, text: str) -> Parts:

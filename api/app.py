@@ -28,6 +28,7 @@ from api.errors import (
 )
 from api.experts import expert_counts as expert_counts_route
 from api.experts import experts as experts_route
+from api.generic_tools import GENERIC, renders_system
 from api.http_status import StatusCounter
 from api.http_status import count as count_status
 from api.lanes import FAST, REPRODUCIBLE, fingerprints
@@ -36,6 +37,7 @@ from api.openai_routes import chat_completions, completions, list_models, respon
 from api.openapi import openapi_json
 from api.reasoning import template_reasons
 from api.state import ServerSettings, ServerState, server_state
+from api.tokenize_routes import detokenize, tokenize
 from api.tool_calls import detect as detect_tool_format
 from api.tool_calls import renders_tools
 from engine import moe_cache
@@ -47,6 +49,7 @@ from engine.load_progress import LoadProgress
 from engine.model import Model
 from engine.pick_store import PickStore, counts_path
 from engine.runner import Engine
+from engine.sampling_defaults import resolve_defaults
 from engine.tensor_layout import Placement, describe
 from scheduler.core import Scheduler, SchedulerConfig
 from scheduler.loop import EngineLoop
@@ -158,6 +161,10 @@ def _state(
     template = ChatTemplate.resolve(
         settings.chat_template, model.chat_template(), model.bos_token, model.eos_token
     )
+    tool_format = _tool_format(settings.tool_call_parser, template.source)
+    log.info("tool calls: %s", tool_format or "off (--tool-call-parser none)")
+    sampling = resolve_defaults(settings.sampling, model.meta_str)
+    log.info("sampling defaults (a request's own fields win): %s", sampling.describe())
     return ServerState(
         settings=settings,
         model=model,
@@ -175,17 +182,22 @@ def _state(
         experts=experts,
         picks=picks,
         reasoning=settings.reasoning_format != "none" and template_reasons(template.source),
-        tool_format=_tool_format(settings.tool_call_parser, template.source),
+        tool_format=tool_format,
         renders_tools=renders_tools(
             lambda tools: template.bind(tools=tools).render([{"role": "user", "content": "Hi"}])
         ),
+        system_role=renders_system(template.render),
+        sampling_defaults=sampling,
     )
 
 
 def _tool_format(parser: str, source: str) -> str | None:
+    """The format named, or the template's (auto), else the generic one (api.generic_tools)."""
     if parser == "none":
         return None
-    return detect_tool_format(source) if parser == "auto" else parser
+    if parser != "auto":
+        return parser
+    return detect_tool_format(source) or GENERIC
 
 
 async def health(request: Request) -> Response:
@@ -314,6 +326,8 @@ def build_app(settings: ServerSettings) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/experts", experts_route, methods=["GET"]),

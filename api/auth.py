@@ -63,13 +63,15 @@ def client_of(scope: Scope) -> str:
 
 
 class BearerAuth:
-    """`Authorization: Bearer KEY` on /v1 routes, and on /metrics and /experts when
-    `protect_metrics` is set; /health stays open for load balancers."""
+    """`Authorization: Bearer KEY` on /v1 routes and /tokenize, /detokenize, and on
+    /metrics and /experts when `protect_metrics` is set; /health stays open for load
+    balancers."""
 
     def __init__(self, app: ASGIApp, keys: KeySet, protect_metrics: bool) -> None:
         self.app = app
         self.keys = keys
-        self.prefixes = ("/v1", "/metrics", "/experts") if protect_metrics else ("/v1",)
+        api = ("/v1", "/tokenize", "/detokenize")
+        self.prefixes = (*api, "/metrics", "/experts") if protect_metrics else api
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(self.prefixes):

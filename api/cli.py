@@ -10,11 +10,14 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from api.generic_tools import GENERIC
 from api.tool_calls import FORMATS as TOOL_FORMATS
 from engine.config import DEFAULT_PROMPT_LOGPROB_ROWS, EngineConfig
 from engine.model import KV_PAD_CELLS
 from engine.placement import CPU_MOE
 from engine.plan import AUTO
+from engine.sampling_defaults import FIELDS as SAMPLING_FIELDS
+from engine.sampling_defaults import SamplingFlags
 
 if TYPE_CHECKING:
     from api.state import ServerSettings
@@ -123,8 +126,16 @@ def _parser() -> argparse.ArgumentParser:
         help="jinja2 chat template: a file, or a shipped one by name (gemma, chatml)",
     )  # fmt: skip
     s.add_argument(
-        "--tool-call-parser", choices=("auto", *TOOL_FORMATS, "none"), default="auto",
-        help="the model's tool-call format (vLLM's name); auto: from the chat template",
+        "--tool-call-parser", choices=("auto", *TOOL_FORMATS, GENERIC, "none"), default="auto",
+        help="the model's tool-call format (vLLM's name); auto: from the chat template, else "
+        "generic (the tools told in the system message, the answer a JSON object held to a "
+        "grammar); none: requests with tools are refused",
+    )  # fmt: skip
+    _sampling_options(s)
+    s.add_argument(
+        "--accept-any-model", action="store_true",
+        help="serve requests whatever `model` they name (as llama-server does; agent clients "
+        "ask for their own model names); default: 404 for a name the server does not serve",
     )  # fmt: skip
     s.add_argument(
         "--reasoning-format", choices=("auto", "none"), default="auto",
@@ -181,6 +192,36 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--save-counts", type=Path, metavar="FILE",
                     help="save the pick counts too, for `--pick-counts FILE`")  # fmt: skip
     return p
+
+
+def _sampling_options(p: argparse.ArgumentParser) -> None:
+    """llama-server's sampling options: what a request's unset fields become. Unset here:
+    the model's own (its GGUF's general.sampling.*), else llama-server's default."""
+    for f in SAMPLING_FIELDS:
+        p.add_argument(
+            f.flag, dest=f"sampling_{f.name}", type=_sampling_value(f.name), default=None,
+            metavar="N", help=f"default {f.name} of a request that sets none (unset: the "
+            f"model's own, else {f.default:g})",
+        )  # fmt: skip
+
+
+def _sampling_value(name: str) -> Any:
+    field = next(f for f in SAMPLING_FIELDS if f.name == name)
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not field.valid(value):
+            raise argparse.ArgumentTypeError(f"{text} is out of range for {name}")
+        return int(value) if name == "top_k" else value
+
+    return parse
+
+
+def _sampling_flags(args: argparse.Namespace) -> SamplingFlags:
+    return SamplingFlags(**{f.name: getattr(args, f"sampling_{f.name}") for f in SAMPLING_FIELDS})
 
 
 def _plan_options(p: argparse.ArgumentParser) -> None:
@@ -450,6 +491,8 @@ def serve_settings(args: argparse.Namespace) -> ServerSettings:
         chat_template=args.chat_template,
         reasoning_format=args.reasoning_format,
         tool_call_parser=args.tool_call_parser,
+        sampling=_sampling_flags(args),
+        accept_any_model=args.accept_any_model,
         max_waiting=args.max_waiting,
         swap_space=args.swap_space,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -38,6 +38,7 @@ from api.openai_wire import (
     include_usage,
     refuse,
     refuse_constrained,
+    response_format,
     sampling,
     stops,
     token_str,
@@ -86,7 +87,7 @@ class ChatCodec:
         check_model(state, req.model)
         refuse_constrained(req)
         _refuse_chat_only(req)
-        messages = _messages(req.messages, state.settings.limits.max_messages)
+        messages = chat_messages(req.messages, state.settings.limits.max_messages)
         if req.top_logprobs and not req.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs=true", param="top_logprobs")
         return GenerationRequest(
@@ -106,7 +107,7 @@ class ChatCodec:
                 req.tool_choice,
                 req.parallel_tool_calls,
             ),
-            response_format=req.response_format,
+            response_format=response_format(req),
             lane=req.strata_reproducible,
             logprobs=Logprobs(sampled=req.logprobs, top=req.top_logprobs or 0),
             cache_prompt=req.cache_prompt,
@@ -176,7 +177,7 @@ def _refuse_chat_only(req: ChatCompletionRequest) -> None:
         raise refuse("prediction", "predicted outputs")
 
 
-def _messages(messages: list[ChatMessage], max_messages: int) -> tuple[Message, ...]:
+def chat_messages(messages: list[ChatMessage], max_messages: int) -> tuple[Message, ...]:
     """The messages in the template's roles, text only; a 400 for a role, part or field
     that cannot be served, naming where it is."""
     if len(messages) > max_messages:

@@ -25,6 +25,7 @@ from api.openai_wire import (
     include_usage,
     refuse,
     refuse_constrained,
+    response_format,
     sampling,
     stops,
     token_str,
@@ -72,7 +73,7 @@ class CompletionCodec:
             max_tokens=DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens,
             stop=stops(req.stop),
             n=req.n,
-            response_format=req.response_format,
+            response_format=response_format(req),
             lane=req.strata_reproducible,
             logprobs=Logprobs(
                 sampled=req.logprobs is not None,

@@ -19,7 +19,13 @@ from api.openai_responses import ResponsesCodec
 from api.pipeline import prepare
 from api.respond import json_response, respond
 from api.responses_wire import RESPONSES_DECODER
-from api.schemas import CHAT_DECODER, COMPLETION_DECODER, ModelCard, ModelList
+from api.schemas import (
+    CHAT_DECODER,
+    COMPLETION_DECODER,
+    ModelCard,
+    ModelList,
+    SamplingDefaultsCard,
+)
 from api.state import server_state, working_state
 
 
@@ -52,6 +58,10 @@ async def responses(request: Request) -> Response:
 
 async def list_models(request: Request) -> Response:
     state = server_state(request)
-    cards = [ModelCard(name, state.created, max_model_len=state.max_model_len)
-             for name in sorted(state.aliases)]  # fmt: skip
+    d = state.sampling_defaults
+    sampling = SamplingDefaultsCard(
+        d.temperature, d.top_k, d.top_p, d.min_p, d.repetition_penalty, dict(d.sources)
+    )
+    cards = [ModelCard(name, state.created, max_model_len=state.max_model_len,
+                       sampling_defaults=sampling) for name in sorted(state.aliases)]  # fmt: skip
     return json_response(ModelList(cards))

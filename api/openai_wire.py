@@ -6,20 +6,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from api.errors import APIError, ModelNotFound, Unsupported
+from api.errors import APIError, InvalidRequest, ModelNotFound, Unsupported
 from api.generation_request import Sampling
 from api.schemas import ENCODER, ErrorBody, ErrorDetail, PromptTokensDetails, SamplingFields, Usage
 from api.state import ServerState
 from api.validation import asks_nothing
 
 DONE = b"data: [DONE]\n\n"
-CONSTRAINED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "grammar",
-               "json_schema")  # fmt: skip
+CONSTRAINED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "grammar")
 
 
 # ---- reading ------------------------------------------------------------------------
 def check_model(state: ServerState, name: str) -> None:
-    if name not in state.aliases:
+    """A 404 for a model the server does not serve, unless it serves any name
+    (`--accept-any-model`: agent clients ask for their own names, e.g. `claude-…`)."""
+    if name not in state.aliases and not state.settings.accept_any_model:
         raise ModelNotFound(f"The model `{name}` does not exist; this server serves "
                             f"`{state.model_name}`.", param="model")  # fmt: skip
 
@@ -31,10 +32,28 @@ def refuse(field: str, what: str) -> Unsupported:
 def refuse_constrained(body: SamplingFields) -> None:
     """A 400 naming the first of vLLM's and llama.cpp's constrained-output fields that
     asks for something: a client that sent one relies on it, and an answer that silently
-    ignored it would look right and be wrong (`response_format` is served)."""
+    ignored it would look right and be wrong (`response_format` and llama-server's
+    `json_schema` are served)."""
     for name in CONSTRAINED:
         if not asks_nothing(getattr(body, name)):
             raise refuse(name, "constrained output")
+
+
+def response_format(body: SamplingFields) -> Any:
+    """`response_format` as sent, or llama-server's top-level `json_schema` as the same
+    thing (`{"type": "json_object", "schema": …}`, api.structured); both at once: 400."""
+    schema = body.json_schema
+    if asks_nothing(schema):
+        return body.response_format
+    if not isinstance(schema, dict) and schema is not True:
+        raise InvalidRequest("json_schema must be a JSON Schema object", param="json_schema")
+    rf = body.response_format
+    if not (rf is None or (isinstance(rf, dict) and rf.get("type") == "text")):
+        raise InvalidRequest(
+            "json_schema and response_format both ask for the output's format: send one",
+            param="json_schema",
+        )
+    return {"type": "json_object", "schema": schema}
 
 
 def sampling(body: SamplingFields) -> Sampling:

@@ -13,6 +13,7 @@ from typing import Any
 
 from api.errors import InvalidRequest
 from api.generation_request import Chat, EarlierCall, Message
+from api.generic_tools import text_turns
 from api.tool_calls import ToolSetup, with_prompt
 from engine.chat_template import RESERVED, ChatTemplate
 
@@ -39,12 +40,16 @@ class TemplateArguments(dict[str, Any]):
 def render(
     template: ChatTemplate, chat: Chat, tools: ToolSetup
 ) -> tuple[list[dict[str, Any]], ChatTemplate]:
-    """The messages the template renders, and the template bound to this request."""
-    messages = [_message(m) for m in chat.messages]
+    """The messages the template renders, and the template bound to this request (the
+    generic tool format: calls and results as plain turns, api.generic_tools)."""
+    if tools.history_as_text:
+        messages = text_turns(chat.messages)
+    else:
+        messages = [_message(m) for m in chat.messages]
     if chat.instructions is not None:
         messages.insert(0, {"role": "system", "content": chat.instructions})
     if tools.prompt is not None:  # the template would drop the tools: the system message says
-        messages = with_prompt(messages, tools.prompt)
+        messages = with_prompt(messages, tools.prompt, in_system=not tools.prompt_in_user)
     return messages, _bound(template, chat, messages, tools.render)
 
 

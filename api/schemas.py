@@ -241,12 +241,25 @@ class Completion(Struct):
     usage: Usage | None = None
 
 
+class SamplingDefaultsCard(Struct):
+    """What a request's unset sampling fields become, and where each value comes from
+    (`source`: field → "flag", "gguf" or "llama-server default")."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repetition_penalty: float
+    source: dict[str, str]
+
+
 class ModelCard(Struct):
     id: str
     created: int
     owned_by: str = "deepseek-one-gpu"
     object: Literal["model"] = "model"
     max_model_len: int = 0
+    sampling_defaults: SamplingDefaultsCard | None = None
 
 
 class ModelList(Struct):

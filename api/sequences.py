@@ -2,9 +2,10 @@
 
 Here the request's limits meet the lane's context (`max_tokens` resolved, or a 400 when
 prompt and completion cannot fit), its sampling fields become the engine's
-`SamplingParams` (choice i samples with `seed + i`, so choices differ and each is
-reproducible), and the reproducible lane refuses what it could not make reproducible
-rather than serve it another way.
+`SamplingParams` — a field it leaves unset takes the server's default (the model's own or
+llama-server's, engine.sampling_defaults); choice i samples with `seed + i`, so choices
+differ and each is reproducible — and the reproducible lane refuses what it could not
+make reproducible rather than serve it another way.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from api.state import ServerState
 from api.structured import Constraint
 from api.validation import logit_bias, min_tokens
 from engine.detok import IncrementalDetokenizer
+from engine.sampling_defaults import SamplingDefaults
 from engine.step_types import SamplingParams
 from scheduler.request import Request
 from scheduler.stops import StopMatcher
@@ -39,6 +41,7 @@ def sequences(
             params = sampling_params(
                 s, req.logprobs, seed_offset=i, grammar=constraint.grammar, logit_bias=bias,
                 min_tokens=least, grammar_trigger=constraint.trigger,
+                defaults=state.sampling_defaults,
             )  # fmt: skip
             if lane == REPRODUCIBLE:
                 check_reproducible(params)  # refused, never served in another lane
@@ -64,19 +67,28 @@ def _never(_token: int) -> bool:
     return False
 
 
+# the samplers' neutral values: what an unset field meant before the server had defaults
+NEUTRAL = SamplingDefaults(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, sources=())
+
+
 def sampling_params(
     s: Sampling, lp: Logprobs, *, seed_offset: int = 0, grammar: str | None = None,
     logit_bias: tuple[tuple[int, float], ...] = (), min_tokens: int = 0,
-    grammar_trigger: int | None = None,
+    grammar_trigger: int | None = None, defaults: SamplingDefaults | None = None,
 ) -> SamplingParams:  # fmt: skip
+    """The engine's parameters: the request's fields where it set them, else `defaults`
+    (None: the samplers' neutral values — temperature 1, no top-k, top-p or min-p)."""
+    d = defaults or NEUTRAL
     return SamplingParams(
-        temperature=1.0 if s.temperature is None else s.temperature,
-        top_p=1.0 if s.top_p is None else s.top_p,
-        top_k=s.top_k or 0,
-        min_p=s.min_p or 0.0,
+        temperature=d.temperature if s.temperature is None else s.temperature,
+        top_p=d.top_p if s.top_p is None else s.top_p,
+        top_k=d.top_k if s.top_k is None else s.top_k,
+        min_p=d.min_p if s.min_p is None else s.min_p,
         presence_penalty=s.presence_penalty or 0.0,
         frequency_penalty=s.frequency_penalty or 0.0,
-        repetition_penalty=s.repetition_penalty or 1.0,
+        repetition_penalty=(
+            d.repetition_penalty if s.repetition_penalty is None else s.repetition_penalty
+        ),
         seed=None if s.seed is None else s.seed + seed_offset,
         logprobs=lp.sampled,
         top_logprobs=lp.top,

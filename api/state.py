@@ -19,6 +19,7 @@ from engine.chat_template import ChatTemplate
 from engine.config import EngineConfig
 from engine.model import Model
 from engine.plan import Plan
+from engine.sampling_defaults import SamplingDefaults, SamplingFlags
 from scheduler.loop import EngineLoop
 
 if TYPE_CHECKING:
@@ -32,7 +33,10 @@ class ServerSettings:
     served_model_name: str | None = None
     chat_template: Path | None = None
     reasoning_format: str = "auto"  # "none": a reasoning model's <think> block stays in content
-    tool_call_parser: str = "auto"  # api.tool_calls: "auto" (from the template), a name, "none"
+    # api.tool_calls: "auto" (from the template, else generic), a name, "none" (no tools)
+    tool_call_parser: str = "auto"
+    sampling: SamplingFlags = field(default_factory=SamplingFlags)  # --temp, --top-k …
+    accept_any_model: bool = False  # any `model` a request names is served (llama-server)
     max_waiting: int = 256
     swap_space: int = 4 * 2**30  # host-RAM bytes for preempted requests' KV (0 = none)
     max_num_batched_tokens: int | None = None  # per step; None = the context's n_batch
@@ -73,6 +77,9 @@ class ServerState:
     reasoning: bool = False  # split <think> … </think> into reasoning_content (api.reasoning)
     tool_format: str | None = None  # the model's tool-call format (api.tool_calls), if served
     renders_tools: bool = True  # the template writes `tools` (else the server adds them)
+    system_role: bool = True  # the template renders a system message (api.generic_tools)
+    # what a request's unset sampling fields become (engine.sampling_defaults)
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
     def max_len(self, lane: str) -> int:
         """Most tokens of prompt + completion in `lane`."""

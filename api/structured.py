@@ -2,8 +2,10 @@
 
 `{"type": "text"}` (or none) is free text; `{"type": "json_object"}` is any JSON object;
 `{"type": "json_schema", "json_schema": {"name": …, "schema": {…}, "strict": …}}` is JSON
-valid under the schema. Strict or not, the schema is enforced token by token (what a
-client that sends `strict: false` also gets from vLLM); a schema the grammar compiler
+valid under the schema, and so is llama-server's `{"type": "json_object", "schema": {…}}`
+(its top-level `json_schema` field comes here as that). Strict or not, the schema is
+enforced token by token (what a client that sends `strict: false` also gets from vLLM);
+a schema the grammar compiler
 cannot take is a 400 naming `response_format`, never a silently unconstrained answer.
 Compiling runs on a worker thread: the first one builds the vocabulary's token trie
 (about a second on a 262K vocabulary), later ones take about a millisecond.
@@ -24,6 +26,7 @@ import anyio
 
 from api.errors import InvalidRequest
 from api.generation_request import Chat, GenerationRequest
+from api.generic_tools import GENERIC, generic_setup
 from api.state import ServerState
 from api.tool_calls import ToolSetup, tool_setup
 from engine.errors import GrammarError
@@ -41,8 +44,8 @@ async def response_grammar(state: ServerState, rf: Any) -> str | None:
     grammars = state.model.grammars
     if kind == "text":
         return None
-    if kind == "json_object":
-        work = grammars.json_object
+    if kind == "json_object":  # any object; llama-server's spelling adds a `schema`
+        schema: Any = rf.get("schema", {"type": "object"})
     elif kind == "json_schema":
         spec = rf.get("json_schema")
         if not isinstance(spec, dict):
@@ -51,14 +54,15 @@ async def response_grammar(state: ServerState, rf: Any) -> str | None:
                 param=PARAM,
             )
         schema = spec.get("schema", {})
-
-        def work() -> str:
-            return grammars.json_schema(schema)
     else:
         raise InvalidRequest(
             f"response_format type {kind!r}: expected 'text', 'json_object' or 'json_schema'",
             param=PARAM,
         )
+
+    def work() -> str:
+        return grammars.json_schema(schema)
+
     try:
         return await anyio.to_thread.run_sync(work, limiter=state.prompt_workers)
     except GrammarError as e:
@@ -82,6 +86,8 @@ def request_tools(state: ServerState, req: GenerationRequest) -> ToolSetup:
                 )
     t = req.tools
     try:
+        if state.tool_format == GENERIC:
+            return generic_setup(t.functions or None, t.choice, t.parallel, state.system_role)
         return tool_setup(
             t.functions or None, t.choice, t.parallel, state.tool_format,
             partial(_literal, state), "function<｜tool▁sep｜>" in state.template.source,
@@ -103,12 +109,14 @@ class Constraint:
 
 async def constrain(state: ServerState, response_format: Any, tools: ToolSetup) -> Constraint:
     """The one grammar of `response_format` and the tools' `tool_choice` together: a
-    forced call and a format cannot both hold (400); `auto` beside a format leaves the
-    format in charge."""
+    forced call (or the generic format's answer, which is the tools' JSON) and a format
+    cannot both hold (400); a native format's `auto` beside a format leaves the format in
+    charge."""
     grammar = await response_grammar(state, response_format)
     if tools.grammar is not None and grammar is not None and tools.trigger is None:
         raise InvalidRequest(
-            "a required or named tool_choice cannot be combined with a response_format",
+            "a required or named tool_choice (or tools on a model without a native tool-call "
+            "format: its answer is the calls' JSON) cannot be combined with a response_format",
             param="tool_choice",
         )
     if tools.grammar is None or grammar is not None:
@@ -116,7 +124,7 @@ async def constrain(state: ServerState, response_format: Any, tools: ToolSetup) 
     try:
         return Constraint(await tool_grammar(state, tools.grammar), tools.trigger)
     except InvalidRequest:
-        if tools.trigger is None:
+        if tools.trigger is None and not tools.lenient:
             raise
         # auto with a schema the grammar engine cannot take: parsed, not held
         return Constraint()

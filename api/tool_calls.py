@@ -6,9 +6,11 @@ which this module finds and turns into `message.tool_calls` (streamed: `tool_cal
 deltas), `finish_reason` `tool_calls`. The format comes from the template
 (`--tool-call-parser auto`) or is named. Served today: `hermes` — Qwen 2.5/3, Hermes 2/3
 and the many templates that write `<tool_call>{"name": …, "arguments": {…}}</tool_call>`;
-`deepseek_v3` — DeepSeek V3, R1 and V3.1, `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>…`.
-A model whose template has no format the server knows refuses `tools` by name (a 400),
-never answers as if it had none.
+`deepseek_v3` — DeepSeek V3, R1 and V3.1, `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>…`;
+`mistral`; `llama3_json`. A model whose template has no format the server knows gets the
+generic one (api.generic_tools: the tools told in the system message, the answer one JSON
+object held to a grammar); with `--tool-call-parser none` it refuses `tools` by name (a
+400), never answers as if it had none.
 
 `tool_choice`: `none` renders no tools and parses nothing; `auto` lets the model choose;
 `required` and a named function are enforced by a grammar (`engine.grammar`): the answer
@@ -312,6 +314,13 @@ class ToolSetup:
     # for a template that writes calls but never renders `tools` (DeepSeek V3.1's and
     # R1's own): the tools and how to call them, for the system message (`with_prompt`)
     prompt: str | None = None
+    # the generic format (api.generic_tools): the conversation's earlier calls and tool
+    # results are rendered as plain turns; the prompt goes into the first user turn where
+    # the template has no system role; `auto`'s grammar may be dropped (parsed only) when
+    # a function's schema does not compile
+    history_as_text: bool = False
+    prompt_in_user: bool = False
+    lenient: bool = False
 
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -332,16 +341,8 @@ def tool_setup(
     model writes it, then held to the calls' grammar — the model chooses whether to call,
     not how a call is written. Llama 3's calls (a bare JSON answer) have no such start:
     there `auto` is parsed only."""
-    if not tools:
-        if choice not in (None, "none"):
-            raise ValueError("tool_choice needs tools", "tool_choice")
-        return ToolSetup()
-    for i, t in enumerate(tools):
-        if not _NAME.match(t["function"]["name"]):
-            raise ValueError(
-                "a function name is 1-64 letters, digits, _ or -", f"tools[{i}].function.name"
-            )
-    if choice == "none":
+    mode, name = checked_choice(tools, choice)
+    if mode == "none" or not tools:
         return ToolSetup()
     if fmt is None:
         raise ValueError(
@@ -349,15 +350,37 @@ def tool_setup(
             "(--tool-call-parser names one)", "tools",
         )  # fmt: skip
     prompt = None if renders_tools else tool_prompt(tools, fmt, old_deepseek, args_style)
-    if choice in (None, "auto"):
+    if mode == "auto":
         trigger = special(FORMAT[fmt].begin) if special and fmt != LLAMA3 else None
         if trigger is None:
             return ToolSetup(tools, parse=True, prompt=prompt)
         grammar = forced_grammar(tools, None, parallel, fmt, literal, old_deepseek, args_style)
         return ToolSetup(tools, parse=True, grammar=grammar, prompt=prompt, trigger=trigger)
-    if choice == "required":
+    if mode == "required":
         grammar = forced_grammar(tools, None, parallel, fmt, literal, old_deepseek, args_style)
         return ToolSetup(tools, parse=True, grammar=grammar, prompt=prompt)
+    grammar = forced_grammar(tools, name, False, fmt, literal, old_deepseek, args_style)
+    return ToolSetup(tools, parse=True, grammar=grammar, prompt=prompt)
+
+
+def checked_choice(
+    tools: list[dict[str, Any]] | None, choice: str | dict[str, Any] | None
+) -> tuple[str, str | None]:
+    """`tool_choice` checked against `tools`, whatever the call format: (`none`, `auto`,
+    `required` or `named`; the named function's name). `ValueError(message, param)`."""
+    if not tools:
+        if choice not in (None, "none"):
+            raise ValueError("tool_choice needs tools", "tool_choice")
+        return "none", None
+    for i, t in enumerate(tools):
+        if not _NAME.match(t["function"]["name"]):
+            raise ValueError(
+                "a function name is 1-64 letters, digits, _ or -", f"tools[{i}].function.name"
+            )
+    if choice in ("none", "auto", "required"):
+        return str(choice), None
+    if choice is None:
+        return "auto", None
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(name, str):
         raise ValueError(
@@ -366,8 +389,7 @@ def tool_setup(
         )  # fmt: skip
     if all(t["function"]["name"] != name for t in tools):
         raise ValueError(f"tool_choice names {name!r}, which is not in tools", "tool_choice")
-    grammar = forced_grammar(tools, name, False, fmt, literal, old_deepseek, args_style)
-    return ToolSetup(tools, parse=True, grammar=grammar, prompt=prompt)
+    return "named", name
 
 
 PROBE = "probe_function_0f3a"
@@ -393,14 +415,7 @@ def tool_prompt(
     """The tools and the call syntax of `fmt`, for a template that does not render tools:
     each function's name, description and parameters' JSON Schema, then the exact form a
     call takes (the one the parser and the forced-call grammar read)."""
-    lines = ["## Tools", "", "You can call these functions:"]
-    for t in tools:
-        f = t["function"]
-        lines += ["", f"### {f['name']}"]
-        if f.get("description"):
-            lines.append(str(f["description"]))
-        params = json.dumps(f.get("parameters") or {"type": "object"}, ensure_ascii=False)
-        lines.append(f"Parameters (JSON Schema): {params}")
+    lines = tool_list(tools)
     if fmt == DEEPSEEK_V3 and old_deepseek:
         call = (
             f"{DS_CALLS}{DS_OPEN}function{DS_SEP}NAME\n```json\n"
@@ -422,8 +437,30 @@ def tool_prompt(
     return "\n".join(lines)
 
 
-def with_prompt(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
-    """`text` at the end of the system message (a new one first, where there is none)."""
+def tool_list(tools: list[dict[str, Any]]) -> list[str]:
+    """The lines that tell a model its functions: name, description, parameters."""
+    lines = ["## Tools", "", "You can call these functions:"]
+    for t in tools:
+        f = t["function"]
+        lines += ["", f"### {f['name']}"]
+        if f.get("description"):
+            lines.append(str(f["description"]))
+        params = json.dumps(f.get("parameters") or {"type": "object"}, ensure_ascii=False)
+        lines.append(f"Parameters (JSON Schema): {params}")
+    return lines
+
+
+def with_prompt(
+    messages: list[dict[str, Any]], text: str, in_system: bool = True
+) -> list[dict[str, Any]]:
+    """`text` at the end of the system message (a new one first, where there is none);
+    not `in_system` (a template without a system role): ahead of the first user turn's."""
+    if not in_system:
+        at = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+        if at is None:
+            return [{"role": "user", "content": text}, *messages]
+        turn = {**messages[at], "content": f"{text}\n\n{messages[at]['content']}"}
+        return [*messages[:at], turn, *messages[at + 1 :]]
     if messages and messages[0]["role"] == "system":
         first = {**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}
         return [first, *messages[1:]]

@@ -38,9 +38,11 @@ from bench.peers import Peers, ensure_peers
 from bench.server_proc import Server, free_port, served_model, start_process, start_server
 
 log = logging.getLogger("bench")
+# Every field a row depends on is sent: neither server's defaults enter (ours resolve the
+# unset fields to llama-server's, engine.sampling_defaults; "typical" is that chain).
 SAMPLINGS: dict[str, dict[str, Any]] = {
     "greedy": {"temperature": 0},
-    "typical": {"temperature": 0.8, "top_p": 0.95, "top_k": 40},
+    "typical": {"temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05},
 }
 SERVERS = ("ours", "llama-server")
 

@@ -186,9 +186,12 @@ def test_a_client_that_leaves_mid_body_costs_one_log_line(
 
 
 NOT_SERVED = [
-    (CHAT, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-     "tools"),
+    # (tools are served on any model: the generic format, api.generic_tools)
+    (CHAT, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
     (CHAT, {"tool_choice": "required"}, "tool_choice"),
+    (CHAT, {"json_schema": {"type": "object"}, "response_format": {"type": "json_object"}},
+     "json_schema"),
     # (served, but these ask for what no grammar can be: refused the same way)
     (CHAT, {"response_format": {"type": "xml"}}, "response_format"),
     (CHAT, {"response_format": {"type": "json_schema",
@@ -205,10 +208,13 @@ NOT_SERVED = [
 BAD_MESSAGES = [
     ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]},
      "messages[0].content[0].type"),
-    ({"role": "tool", "content": "42", "tool_call_id": "c1"}, "messages[0].role"),
+    ({"role": "tool", "content": "42"}, "messages[0].tool_call_id"),
     ({"role": "robot", "content": "beep"}, "messages[0].role"),
-    ({"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+    ({"role": "user", "content": None, "tool_calls": [{"id": "c1", "type": "function",
       "function": {"name": "f", "arguments": "{}"}}]}, "messages[0].tool_calls"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+      "function": {"name": "f", "arguments": "[1]"}}]},
+     "messages[0].tool_calls[0].function.arguments"),
 ]  # fmt: skip
 ASK_NOTHING = [
     (CHAT, {"tools": [], "tool_choice": "none", "response_format": {"type": "text"},

@@ -9,6 +9,7 @@ from enum import StrEnum
 from typing import Any
 
 import jsonschema
+import openai
 import pytest
 from openai import OpenAI
 from pydantic import BaseModel, Field
@@ -120,3 +121,31 @@ def test_a_nested_schema_always_validates(server: Server) -> None:
     assert len(answers) == 50
     for text in answers:
         jsonschema.validate(json.loads(text), NESTED)
+
+
+def test_llama_server_s_schema_spellings_are_held_to_the_schema(server: Server) -> None:
+    """llama-server's `{"type": "json_object", "schema": …}` and its top-level
+    `json_schema` field constrain the answer as `json_schema` does; both at once is a 400
+    naming `json_schema`."""
+    ask = [{"role": "user", "content": "File a ticket as JSON."}]
+    spellings: list[dict[str, Any]] = [
+        {"response_format": {"type": "json_object", "schema": NESTED}},
+        {"extra_body": {"json_schema": NESTED}},
+    ]
+    with client(server) as c:
+        for spelling in spellings:
+            for stream in (False, True):
+                kw: dict[str, Any] = {"model": MODEL, "messages": ask, "max_tokens": 160,
+                                      "temperature": 1.0, "seed": 3, **spelling}  # fmt: skip
+                if stream:
+                    chunks = list(c.chat.completions.create(**kw, stream=True))
+                    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+                else:
+                    text = c.chat.completions.create(**kw).choices[0].message.content or ""
+                jsonschema.validate(json.loads(text), NESTED)
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(
+                model=MODEL, messages=ask, max_tokens=4, response_format={"type": "json_object"},
+                extra_body={"json_schema": NESTED},
+            )  # fmt: skip
+    assert e.value.body["param"] == "json_schema"  # type: ignore[index]

@@ -107,11 +107,15 @@ def write_llama(
     wtype: WeightType = "f32",
     shape: Shape | None = None,
     user_tokens: tuple[str, ...] = (),
+    metadata: dict[str, int | float | str] | None = None,
 ) -> Path:
-    """A dense `llama`-arch model; `chat_template` is stored as `tokenizer.chat_template`."""
+    """A dense `llama`-arch model; `chat_template` is stored as `tokenizer.chat_template`;
+    `metadata`: more keys (an int as INT32, a float as FLOAT32, as llama.cpp's converters
+    write `general.sampling.*`)."""
     return _write(
-        "llama", Path(path), shape or Shape(), seed, wtype, chat_template, user_tokens=user_tokens
-    )
+        "llama", Path(path), shape or Shape(), seed, wtype, chat_template,
+        user_tokens=user_tokens, metadata=metadata,
+    )  # fmt: skip
 
 
 def write_hollow_llama(path: str | Path, shape: Shape) -> Path:
@@ -147,6 +151,7 @@ def _write(
     split_max_tensors: int = 0,
     user_tokens: tuple[str, ...] = (),
     hollow: bool = False,
+    metadata: dict[str, int | float | str] | None = None,
 ) -> Path:
     tokens, scores, types = vocab(user_tokens)
     n_vocab = len(tokens)
@@ -221,6 +226,13 @@ def _write(
     w.add_add_eos_token(False)
     if chat_template is not None:
         w.add_chat_template(chat_template)
+    for key, value in (metadata or {}).items():
+        if isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, int):
+            w.add_int32(key, value)
+        else:
+            w.add_float32(key, value)
 
     E, H, D = s.n_embd, s.n_head, s.head_dim
     kv = s.n_head_kv * D

@@ -1,0 +1,178 @@
+"""Tool calls on a model whose chat template has no call format: the embedded Gemma 3
+270M (the session `server`), the generic format (api.generic_tools), through Chat
+Completions with the official `openai` client in strict response validation.
+
+A forced call (`required`, a named function) is held to the envelope's grammar, so its
+arguments always validate against the function's schema; `auto` lets the model answer
+with a call or with text, and either comes back as OpenAI's fields — never the envelope's
+JSON as text."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+from openai import OpenAI
+
+from bench.server_proc import Server
+from tests.conftest import MODEL
+
+pytestmark = pytest.mark.e2e
+
+WEATHER: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TIME: dict[str, Any] = {
+    "type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"],
+    "additionalProperties": False,
+}  # fmt: skip
+TOOLS: Any = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER,
+                                      "description": "The weather forecast for a city"}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME,
+                                      "description": "The time in a time zone"}},
+]  # fmt: skip
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+ASK: Any = [{"role": "user", "content": "What is the weather in Paris for the next 3 days?"}]
+NAMED: Any = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def _client(server: Server) -> OpenAI:
+    return OpenAI(base_url=server.base_url, api_key="none", _strict_response_validation=True)
+
+
+def _valid(calls: list[Any]) -> list[str]:
+    """The calls' names, each call's arguments validated against its function's schema."""
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        assert call.id.startswith("call_") and call.type == "function"
+    return [call.function.name for call in calls]
+
+
+def _streamed(chunks: list[Any]) -> tuple[str, list[Any], str | None]:
+    """A stream's text, calls and last finish reason."""
+    text, calls, reason = "", [], None
+    for ch in chunks:
+        for choice in ch.choices:
+            text += choice.delta.content or ""
+            calls += choice.delta.tool_calls or []
+            reason = choice.finish_reason or reason
+    return text, calls, reason
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED], ids=["required", "named"])
+def test_a_forced_call_returns_valid_arguments_streamed_and_not(
+    server: Server, choice: Any
+) -> None:
+    kw: dict[str, Any] = {"model": MODEL, "messages": ASK, "tools": TOOLS, "tool_choice": choice,
+                          "parallel_tool_calls": False, "max_tokens": 200, "temperature": 0,
+                          "extra_body": {"cache_prompt": False}}  # fmt: skip
+    with _client(server) as c:
+        got = c.chat.completions.create(**kw)
+        text, streamed, reason = _streamed(list(c.chat.completions.create(**kw, stream=True)))
+    message = got.choices[0].message
+    assert got.choices[0].finish_reason == "tool_calls", message
+    names = _valid(message.tool_calls or [])
+    assert names and message.content is None
+    if choice is NAMED:
+        assert set(names) == {"get_weather"}
+    # streamed: the same calls, no envelope JSON as text
+    assert reason == "tool_calls" and text == ""
+    assert [(t.function.name, t.function.arguments) for t in streamed] == [
+        (t.function.name, t.function.arguments) for t in message.tool_calls or []
+    ]
+
+
+def test_parallel_tool_calls_false_gives_one_call(server: Server) -> None:
+    with _client(server) as c:
+        for seed in range(3):
+            got = c.chat.completions.create(
+                model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                parallel_tool_calls=False, max_tokens=200, temperature=1.0, seed=seed,
+            )  # fmt: skip
+            assert len(_valid(got.choices[0].message.tool_calls or [])) == 1, got.choices[0]
+
+
+def test_auto_answers_with_a_call_or_with_text(server: Server) -> None:
+    """Whichever the model chooses comes back in OpenAI's fields: calls (valid, finish
+    `tool_calls`) or text content with no calls; streamed, the text arrives in pieces."""
+    seen = set()
+    with _client(server) as c:
+        for seed in range(4):
+            kw: dict[str, Any] = {"model": MODEL, "messages": ASK, "tools": TOOLS,
+                                  "parallel_tool_calls": False, "max_tokens": 120,
+                                  "temperature": 1.0, "seed": seed}  # fmt: skip
+            got = c.chat.completions.create(**kw)
+            choice = got.choices[0]
+            if choice.message.tool_calls:
+                assert choice.finish_reason == "tool_calls"
+                _valid(choice.message.tool_calls)
+                seen.add("call")
+            else:
+                assert choice.message.content is not None
+                assert not choice.message.content.lstrip().startswith('{"response"')
+                seen.add("text")
+            text, calls, _ = _streamed(list(c.chat.completions.create(**kw, stream=True)))
+            assert not text.lstrip().startswith("{"), text
+            _valid(calls)
+    assert seen
+
+
+def test_a_whole_tool_round_trip_completes(server: Server) -> None:
+    """Call → the tool's result → an answer: the earlier call renders as the assistant's
+    JSON and the result as a user turn naming them, in a template without a tool role."""
+    with _client(server) as c:
+        first = c.chat.completions.create(
+            model=MODEL, messages=ASK, tools=TOOLS, tool_choice=NAMED, max_tokens=200,
+            temperature=0,
+        )  # fmt: skip
+        (call,) = first.choices[0].message.tool_calls or []
+        history: Any = [
+            *ASK,
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": call.id, "type": "function", "function": {
+                    "name": call.function.name, "arguments": call.function.arguments}}]},
+            {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 C all week."},
+        ]  # fmt: skip
+        answer = c.chat.completions.create(
+            model=MODEL, messages=history, tools=TOOLS, max_tokens=60, temperature=0
+        )
+        plain = c.chat.completions.create(
+            model=MODEL, messages=history, max_tokens=20, temperature=0
+        )  # (no tools now: the history still renders)
+    choice = answer.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    if choice.message.tool_calls:
+        _valid(choice.message.tool_calls)
+    else:
+        assert choice.message.content is not None
+    assert first.usage and answer.usage and plain.usage
+    assert answer.usage.prompt_tokens > first.usage.prompt_tokens + 15  # call + result
+    assert plain.choices[0].message.tool_calls is None
+
+
+def test_tool_choice_none_and_a_format_beside_the_envelope(server: Server) -> None:
+    """`none` renders no tools (a shorter prompt, plain text); the generic format's answer
+    is the tools' JSON, so a response_format beside tools is a 400 naming tool_choice."""
+    with _client(server) as c:
+        none = c.chat.completions.create(
+            model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=4
+        )
+        auto = c.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=4)
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(
+                model=MODEL, messages=ASK, tools=TOOLS, max_tokens=4,
+                response_format={"type": "json_object"},
+            )  # fmt: skip
+    assert none.usage and auto.usage and none.usage.prompt_tokens < auto.usage.prompt_tokens
+    assert none.choices[0].message.tool_calls is None
+    assert e.value.body["param"] == "tool_choice"  # type: ignore[index]
