@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from api.anthropic_routes import messages, messages_count_tokens
 from api.auth import BearerAuth, KeySet
 from api.errors import (
     APIError,
@@ -313,6 +314,8 @@ def build_app(settings: ServerSettings) -> Starlette:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", messages_count_tokens, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/experts", experts_route, methods=["GET"]),
