@@ -13,6 +13,9 @@ reads text only. `thinking` switches the template's own thinking variable where 
 one (Qwen's `enable_thinking`, DeepSeek V3.1's `thinking`), and decides whether the
 answer shows its reasoning: as `thinking` blocks when asked for, else not at all, as
 Anthropic's API answers (a client that asked for none reads `content[0]` as the text).
+`max_tokens` is a bound, as Anthropic's is: a prompt that leaves less room than it asks
+(Claude Code asks for 32K whatever the model) gets what the context leaves, and an answer
+that fills it ends `model_context_window_exceeded`.
 
 Encoding. Each output block is a content block; the output's `index` gives the order,
 and the blocks shown are numbered from 0 in it (hidden reasoning takes no number). A
@@ -103,6 +106,7 @@ class MessagesCodec:
             input=_chat(self.state, req),
             sampling=Sampling(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k),
             max_tokens=req.max_tokens,
+            cap_max_tokens=True,
             stop=tuple(req.stop_sequences or ()),
             tools=_tools(req),
             response_format=_response_format(req),
@@ -123,7 +127,7 @@ class MessagesCodec:
             if d.finish_reason is not None:
                 for frame in blocks.close():
                     yield frame
-                reason, sequence = _stop(d.finish_reason, d.stop_string)
+                reason, sequence = self._stop(d.finish_reason, d.stop_string, d.output_tokens)
                 use = _usage(n_prompt, d.output_tokens, d.cached_tokens)
                 yield event(MessageDeltaEvent(MessageDelta(reason, sequence), use))
                 yield event(MessageStop())
@@ -131,9 +135,19 @@ class MessagesCodec:
     def body(self, gen: Generation, answers: list[ChoiceAnswer]) -> MessageResponse:
         (a,) = answers  # (the Messages API has one choice)
         content = [c for b in a.blocks if (c := self._shown.content(b)) is not None]
-        reason, sequence = _stop(a.finish_reason, a.stop_string)
+        reason, sequence = self._stop(a.finish_reason, a.stop_string, a.output_tokens)
         use = _usage(len(gen.prompts[0].ids), a.output_tokens, a.cached_tokens)
         return self._message(gen, content, reason, sequence, use)
+
+    def _stop(
+        self, finish_reason: str, stop_string: str | None, output_tokens: int
+    ) -> tuple[StopReason, str | None]:
+        """Why it ended in Anthropic's words: cut short of max_tokens, the context ran out."""
+        if finish_reason == "stop" and stop_string is not None:
+            return "stop_sequence", stop_string
+        if finish_reason == "length" and output_tokens < self.req.max_tokens:
+            return "model_context_window_exceeded", None
+        return STOP_REASONS.get(finish_reason, "end_turn"), None
 
     def _message(
         self, gen: Generation, content: list[Content], reason: StopReason | None,
@@ -320,12 +334,6 @@ def _response_format(body: MessagesRequest) -> dict[str, Any] | None:
 
 
 # ---- encoding -------------------------------------------------------------------------
-def _stop(finish_reason: str, stop_string: str | None) -> tuple[StopReason, str | None]:
-    if finish_reason == "stop" and stop_string is not None:
-        return "stop_sequence", stop_string
-    return STOP_REASONS.get(finish_reason, "end_turn"), None
-
-
 def _usage(n_prompt: int, output_tokens: int, cached: int) -> MessageUsage:
     """Anthropic's prompt count leaves out what the cache gave: the three add up to it."""
     return MessageUsage(n_prompt - cached, output_tokens, 0, cached)

@@ -207,7 +207,9 @@ class ToolUseContent(Struct, tag="tool_use", tag_field="type"):
 
 
 Content = TextContent | ThinkingContent | ToolUseContent
-StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+StopReason = Literal[
+    "end_turn", "max_tokens", "stop_sequence", "tool_use", "model_context_window_exceeded"
+]
 
 
 class MessageUsage(Struct):

@@ -84,6 +84,7 @@ def test_blocks_become_the_templates_turns() -> None:
     )
     assert chat.add_generation_prompt and not chat.continue_final_message  # type: ignore[union-attr]
     assert req.id.startswith("msg_") and req.max_tokens == 8 and req.n == 1
+    assert req.cap_max_tokens  # a bound, not a demand (Anthropic's max_tokens)
 
 
 def test_a_final_assistant_message_is_continued() -> None:
@@ -361,6 +362,9 @@ def test_a_stop_sequence_is_reported() -> None:
     length = _whole(_codec(), [_piece([], "length", out=8)], [])
     assert (length["stop_reason"], length["stop_sequence"], length["content"]) == (
         "max_tokens", None, [])  # fmt: skip
+    # short of max_tokens (8): the context ran out first
+    full = _whole(_codec(), [_piece([], "length", out=5)], [])
+    assert full["stop_reason"] == "model_context_window_exceeded"
 
 
 def test_a_generation_that_fails_ends_the_stream_with_an_error_event() -> None:

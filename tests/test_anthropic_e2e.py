@@ -458,7 +458,8 @@ def thinker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     where = tmp_path_factory.mktemp("anthropic-thinking")
     model = write_llama(where / "thinker.gguf", seed=3, chat_template=THINKING)
     srv = start_server(
-        ["--model", str(model), "--served-model-name", "thinker", "--n-ctx", "2048"],
+        ["--model", str(model), "--served-model-name", "thinker", "--n-ctx", "2048",
+         "--max-model-len", "512"],
         where / "server.log",
     )  # fmt: skip
     yield srv
@@ -506,3 +507,15 @@ def test_thinking_in_the_history_is_accepted_and_not_rendered(thinker: Server) -
         plain = c.messages.count_tokens(model="thinker", messages=without)
     assert after.stop_reason in ("end_turn", "max_tokens")
     assert counted.input_tokens == plain.input_tokens
+
+
+def test_max_tokens_is_a_bound_the_context_may_cut(thinker: Server) -> None:
+    """More than the context leaves (Claude Code asks for 32K whatever the model): the
+    answer gets what it leaves and says so; the OpenAI route still refuses it."""
+    with client(thinker) as c:
+        msg = c.messages.create(model="thinker", max_tokens=4096, messages=HELLO, temperature=0)
+    assert msg.stop_reason == "model_context_window_exceeded"
+    assert msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0) + \
+        msg.usage.output_tokens == 512  # fmt: skip
+    chat = {"model": "thinker", "max_tokens": 4096, "messages": HELLO}
+    assert post(thinker, "/v1/chat/completions", chat).status_code == 400
