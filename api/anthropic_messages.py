@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -195,12 +196,29 @@ def _chat(state: ServerState, body: MessagesInput) -> Chat:
     if prefill and not last.text.strip():
         raise InvalidRequest("a final assistant message is continued from its text, and "
                              "this one has none", param=where)  # fmt: skip
-    system = body.system if isinstance(body.system, str) or body.system is None \
-        else SEP.join(b.text for b in body.system)  # fmt: skip
     return Chat(
-        tuple(turns.messages), instructions=system or None, add_generation_prompt=not prefill,
+        tuple(turns.messages), instructions=_system(body.system), add_generation_prompt=not prefill,
         continue_final_message=prefill, template_kwargs=_thinking_variables(body.thinking),
     )  # fmt: skip
+
+
+def _system(system: str | list[TextBlock] | None) -> str | None:
+    if system is None:
+        return None
+    texts = [system] if isinstance(system, str) else [b.text for b in system]
+    return SEP.join(map(_steady_billing_header, texts)) or None
+
+
+BILLING = "x-anthropic-billing-header:"
+_CCH = re.compile(r"(?<=cch=)[^;]*")
+
+
+def _steady_billing_header(text: str) -> str:
+    """Claude Code opens its system prompt with a billing header whose `cch=` stamp
+    changes with every request: left as it is, no request could read an earlier one's
+    prompt from the prefix cache past its first tokens. The stamp means nothing to the
+    model; it is made the same every time (llama-server does the same)."""
+    return _CCH.sub("0", text, count=1) if text.startswith(BILLING) else text
 
 
 class _Turns:

@@ -127,6 +127,20 @@ def test_sampling_stops_tools_thinking_and_format_map_to_the_internal_request() 
     assert _codec().decode().input.template_kwargs == {}  # type: ignore[union-attr]
 
 
+def test_claude_codes_billing_stamp_does_not_change_the_prompt() -> None:
+    """Its `cch=` changes with every request; the rest of the system prompt stays."""
+
+    def system(stamp: str) -> str | None:
+        header = f"x-anthropic-billing-header: cc_version=2.1.1; cc_entrypoint=cli; cch={stamp};"
+        blocks = [{"type": "text", "text": header}, {"type": "text", "text": "You are Claude."}]
+        return _codec(system=blocks).decode().input.instructions  # type: ignore[union-attr]
+
+    assert system("a5145") == system("0b3f1")
+    header = "x-anthropic-billing-header: cc_version=2.1.1; cc_entrypoint=cli; cch=0;"
+    assert system("a5145") == header + "\n\nYou are Claude."
+    assert _codec(system="cch=abc; stays").decode().input.instructions == "cch=abc; stays"  # type: ignore[union-attr]
+
+
 def test_count_tokens_reads_the_same_conversation() -> None:
     body = COUNT_TOKENS_DECODER.decode(json.dumps({"model": "m", "messages": [USER],
                                                    "system": "S"}))  # fmt: skip
