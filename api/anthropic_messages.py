@@ -1,92 +1,64 @@
-"""Anthropic's /v1/messages as a codec: its body into the internal request, the
-generation's blocks back into content blocks, streamed as Anthropic's events or whole.
+"""Anthropic's /v1/messages as a codec: its body into the internal request (the
+conversation, tools and thinking switch through api.anthropic_input), the generation's
+blocks back into content blocks, streamed as Anthropic's events or whole.
 
-Decoding. `system` is the chat's instructions. A message's blocks become the template's
-turns: a user's text, and each `tool_result` a tool turn of its own (named after the call
-it answers, an `is_error` one saying so in its text, since templates have no field for
-it); an assistant's text and `tool_use` calls. Consecutive turns of one role are one
-turn, as Anthropic reads them (a user message of tool results and text is a tool turn
-per result, then a user turn). Earlier thinking is accepted and dropped: the template
-renders none of it. A conversation that ends with an assistant message is continued from
-that text (Anthropic's prefill). Images and documents are refused by name: the model
-reads text only. `thinking` switches the template's own thinking variable where it has
-one (Qwen's `enable_thinking`, DeepSeek V3.1's `thinking`), and decides whether the
-answer shows its reasoning: as `thinking` blocks when asked for, else not at all, as
-Anthropic's API answers (a client that asked for none reads `content[0]` as the text).
 `max_tokens` is a bound, as Anthropic's is: a prompt that leaves less room than it asks
 (Claude Code asks for 32K whatever the model) gets what the context leaves, and an answer
-that fills it ends `model_context_window_exceeded`.
+that fills it ends `model_context_window_exceeded`. `thinking` decides whether the answer
+shows the model's reasoning: as `thinking` blocks when asked for, else not at all, as
+Anthropic's API answers (a client that asked for none reads `content[0]` as the text).
 
-Encoding. Each output block is a content block; the output's `index` gives the order,
-and the blocks shown are numbered from 0 in it (hidden reasoning takes no number). A
-stream opens a block where a new index begins and closes the open one first, a thinking
-block after its `signature_delta`; a tool call comes whole, its input as one
+Each output block is a content block; the output's `index` gives the order, and the
+blocks shown are numbered from 0 in it (hidden reasoning takes no number). A stream
+opens a block where a new index begins and closes the open one first, a thinking block
+after its `signature_delta`; a tool call comes whole, its input as one
 `input_json_delta`. The signature is a hash of the thinking: opaque, non-empty, the same
-for the same thinking streamed or not.
+for the same thinking streamed or not. Usage counts the prompt as Anthropic does, in
+parts that add up to it: computed, and read from the prefix cache.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import re
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from api.anthropic_input import chat_of, format_of, tools_of
 from api.anthropic_wire import (
     Content,
     ContentBlockDelta,
     ContentBlockStart,
     ContentBlockStop,
-    CountTokensRequest,
-    DocumentBlock,
-    ImageBlock,
-    InputBlock,
     InputJsonDelta,
     MessageDelta,
     MessageDeltaEvent,
     MessageResponse,
-    MessagesInput,
     MessagesRequest,
     MessageStart,
     MessageStop,
     MessageUsage,
-    RedactedThinkingBlock,
     SignatureDelta,
     StopReason,
-    TextBlock,
     TextContent,
     TextDelta,
     Thinking,
     ThinkingAdaptive,
-    ThinkingBlock,
     ThinkingContent,
     ThinkingDelta,
-    ThinkingDisabled,
     ThinkingEnabled,
-    ToolChoice,
-    ToolChoiceAny,
-    ToolChoiceAuto,
-    ToolChoiceNone,
-    ToolResultBlock,
-    ToolSpec,
-    ToolUseBlock,
     ToolUseContent,
     error_body,
     event,
 )
-from api.errors import InvalidRequest, Unsupported
 from api.generation import Generation, ended_badly
-from api.generation_request import Chat, EarlierCall, GenerationRequest, Message, Sampling, Tools
-from api.openai_wire import check_model
+from api.generation_request import GenerationRequest, Sampling
 from api.output_blocks import Block, ChoiceAnswer, Reasoning, Text, ToolUse
 from api.schemas import ENCODER
 from api.state import ServerState
 from api.tool_calls import Call
-from api.validation import asks_nothing
 
-SEP = "\n\n"  # between the text blocks of one turn
 STOP_REASONS: dict[str, StopReason] = {"stop": "end_turn", "length": "max_tokens",
                                        "tool_calls": "tool_use"}  # fmt: skip
 
@@ -104,13 +76,13 @@ class MessagesCodec:
         req = self.req
         return GenerationRequest(
             id=f"msg_{uuid.uuid4().hex}",
-            input=_chat(self.state, req),
+            input=chat_of(self.state, req),
             sampling=Sampling(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k),
             max_tokens=req.max_tokens,
             cap_max_tokens=True,
             stop=tuple(req.stop_sequences or ()),
-            tools=_tools(req),
-            response_format=_response_format(req),
+            tools=tools_of(req),
+            response_format=format_of(req),
             lane=req.strata_reproducible,
         )
 
@@ -160,204 +132,12 @@ class MessagesCodec:
         )  # fmt: skip
 
 
-def counted(state: ServerState, body: CountTokensRequest) -> GenerationRequest:
-    """The request whose prompt /v1/messages/count_tokens counts (nothing is generated)."""
-    return GenerationRequest(
-        id=f"count_{uuid.uuid4().hex}", input=_chat(state, body), tools=_tools(body),
-        lane=body.strata_reproducible,
-    )  # fmt: skip
-
-
-# ---- decoding -------------------------------------------------------------------------
-def _chat(state: ServerState, body: MessagesInput) -> Chat:
-    check_model(state, body.model)
-    for name in ("mcp_servers", "container"):
-        if not asks_nothing(getattr(body, name)):
-            raise Unsupported(f"Anthropic's server-side `{name}` are not served here",
-                              param=name)  # fmt: skip
-    most = state.settings.limits.max_messages
-    if len(body.messages) > most:
-        raise InvalidRequest(f"{len(body.messages)} messages; this server accepts at most "
-                             f"{most} per request (--max-messages)", param="messages")  # fmt: skip
-    turns = _Turns(tools_served=state.tool_format is not None)
-    for i, m in enumerate(body.messages):
-        blocks = [TextBlock(text=m.content)] if isinstance(m.content, str) else m.content
-        if m.role == "user":
-            turns.user(blocks, f"messages[{i}]")
-        else:
-            turns.assistant(blocks, f"messages[{i}]")
-    if not turns.messages:
-        raise InvalidRequest("the messages have no content", param="messages")
-    last, where = turns.messages[-1], f"messages[{len(body.messages) - 1}]"
-    prefill = last.role == "assistant"
-    if prefill and last.calls:
-        raise InvalidRequest("the conversation ends with the assistant's tool_use: send its "
-                             "tool_result in a user message", param=where)  # fmt: skip
-    if prefill and not last.text.strip():
-        raise InvalidRequest("a final assistant message is continued from its text, and "
-                             "this one has none", param=where)  # fmt: skip
-    return Chat(
-        tuple(turns.messages), instructions=_system(body.system), add_generation_prompt=not prefill,
-        continue_final_message=prefill, template_kwargs=_thinking_variables(body.thinking),
-    )  # fmt: skip
-
-
-def _system(system: str | list[TextBlock] | None) -> str | None:
-    if system is None:
-        return None
-    texts = [system] if isinstance(system, str) else [b.text for b in system]
-    return SEP.join(map(_steady_billing_header, texts)) or None
-
-
-BILLING = "x-anthropic-billing-header:"
-_CCH = re.compile(r"(?<=cch=)[^;]*")
-
-
-def _steady_billing_header(text: str) -> str:
-    """Claude Code opens its system prompt with a billing header whose `cch=` stamp
-    changes with every request: left as it is, no request could read an earlier one's
-    prompt from the prefix cache past its first tokens. The stamp means nothing to the
-    model; it is made the same every time (llama-server does the same)."""
-    return _CCH.sub("0", text, count=1) if text.startswith(BILLING) else text
-
-
-class _Turns:
-    """A conversation's blocks as the template's turns, in order."""
-
-    def __init__(self, tools_served: bool) -> None:
-        self.messages: list[Message] = []
-        self._tools_served = tools_served
-        self._names: dict[str, str] = {}  # a tool_use's id → its tool's name
-
-    def user(self, blocks: list[InputBlock], where: str) -> None:
-        texts: list[str] = []
-        for j, b in enumerate(blocks):
-            at = f"{where}.content[{j}]"
-            if isinstance(b, TextBlock):
-                texts.append(b.text)
-            elif isinstance(b, ToolResultBlock):
-                self._check_tools(at, "tool_result")
-                if texts:  # the text before it is a turn of its own
-                    self._add(Message("user", SEP.join(texts)))
-                    texts = []
-                self._add(Message("tool", _result_text(b, at), call_id=b.tool_use_id,
-                                  name=self._names.get(b.tool_use_id)))  # fmt: skip
-            else:
-                raise _misplaced(b, at, "an assistant's")
-        if texts:
-            self._add(Message("user", SEP.join(texts)))
-
-    def assistant(self, blocks: list[InputBlock], where: str) -> None:
-        texts: list[str] = []
-        calls: list[EarlierCall] = []
-        for j, b in enumerate(blocks):
-            at = f"{where}.content[{j}]"
-            if isinstance(b, TextBlock):
-                texts.append(b.text)
-            elif isinstance(b, ToolUseBlock):
-                self._check_tools(at, "tool_use")
-                args = json.dumps(b.input, ensure_ascii=False)
-                calls.append(EarlierCall(b.id, b.name, args, b.input))
-                self._names[b.id] = b.name
-            elif not isinstance(b, ThinkingBlock | RedactedThinkingBlock):
-                raise _misplaced(b, at, "a user's")
-        if texts or calls:  # (thinking alone renders as nothing)
-            self._add(Message("assistant", SEP.join(texts), tuple(calls)))
-
-    def _add(self, m: Message) -> None:
-        last = self.messages[-1] if self.messages else None
-        if last is None or last.role != m.role or m.role == "tool":
-            self.messages.append(m)
-            return
-        text = SEP.join(t for t in (last.text, m.text) if t)
-        self.messages[-1] = Message(m.role, text, last.calls + m.calls)
-
-    def _check_tools(self, at: str, kind: str) -> None:
-        if not self._tools_served:
-            raise InvalidRequest(f"{kind} blocks: this model's chat template writes no "
-                                 "tool-call format the server knows (--tool-call-parser "
-                                 "names one)", param=at)  # fmt: skip
-
-
-def _misplaced(b: InputBlock, at: str, whose: str) -> InvalidRequest:
-    kind = type(b).__struct_config__.tag
-    if isinstance(b, ImageBlock | DocumentBlock):
-        return Unsupported(f"{kind} blocks are not served: this model reads text only", param=at)
-    return InvalidRequest(f"a {kind} block belongs in {whose} message", param=at)
-
-
-def _result_text(b: ToolResultBlock, at: str) -> str:
-    if b.content is None or isinstance(b.content, str):
-        text = b.content or ""
-    else:
-        texts = []
-        for k, part in enumerate(b.content):
-            if not isinstance(part, TextBlock):
-                raise _misplaced(part, f"{at}.content[{k}]", "no tool_result's")
-            texts.append(part.text)
-        text = SEP.join(texts)
-    return f"Error: {text}" if b.is_error else text
-
-
-def _thinking_variables(thinking: Thinking | None) -> dict[str, Any]:
-    """The template variables that switch a model's thinking on or off, where its
-    template has one (others ignore them); absent, the template's default."""
-    if thinking is None:
-        return {}
-    on = not isinstance(thinking, ThinkingDisabled)
-    return {"enable_thinking": on, "thinking": on}
-
-
-def _tools(body: MessagesInput) -> Tools:
-    functions = [_function(t, f"tools[{i}]") for i, t in enumerate(body.tools or [])]
-    choice, parallel = _choice(body.tool_choice)
-    return Tools(functions or None, choice, parallel)
-
-
-def _function(t: ToolSpec, at: str) -> dict[str, Any]:
-    """A client tool as the template's function."""
-    if t.type not in (None, "custom"):
-        raise Unsupported(
-            f"tool type {t.type!r}: Anthropic's server tools are not served here (define a "
-            "tool with an input_schema)", param=f"{at}.type",
-        )  # fmt: skip
-    if t.input_schema is None:
-        raise InvalidRequest("a tool needs an input_schema", param=f"{at}.input_schema")
-    function: dict[str, Any] = {"name": t.name, "parameters": t.input_schema}
-    if t.description:
-        function["description"] = t.description
-    return {"type": "function", "function": function}
-
-
-def _choice(c: ToolChoice | None) -> tuple[str | dict[str, Any] | None, bool]:
-    """tool_choice in the internal request's words, and whether calls may be parallel."""
-    if c is None:
-        return None, True
-    if isinstance(c, ToolChoiceNone):
-        return "none", True
-    parallel = not c.disable_parallel_tool_use
-    if isinstance(c, ToolChoiceAuto):
-        return "auto", parallel
-    if isinstance(c, ToolChoiceAny):
-        return "required", parallel
-    return {"type": "function", "function": {"name": c.name}}, parallel
-
-
-def _response_format(body: MessagesRequest) -> dict[str, Any] | None:
-    """`output_config.format` (structured outputs) as the pipeline's response format."""
-    fmt = body.output_config.format if body.output_config else None
-    if fmt is None:
-        return None
-    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema}}
-
-
-# ---- encoding -------------------------------------------------------------------------
 def _usage(n_prompt: int, output_tokens: int, cached: int) -> MessageUsage:
     """Anthropic's prompt count leaves out what the cache gave: the three add up to it."""
     return MessageUsage(n_prompt - cached, output_tokens, 0, cached)
 
 
-def signature(thinking: str) -> str:
+def _signature(thinking: str) -> str:
     return "sha256:" + hashlib.sha256(thinking.encode()).hexdigest()[:32]
 
 
@@ -390,7 +170,7 @@ class _ShownThinking:
             return TextContent(b.text)
         if isinstance(b, Reasoning):
             shown = b.text if self.text else ""
-            return ThinkingContent(shown, signature(b.text)) if self.blocks else None
+            return ThinkingContent(shown, _signature(b.text)) if self.blocks else None
         return ToolUseContent(_tool_id(b.call), b.call.name, _input(b.call))
 
 
@@ -422,7 +202,7 @@ class _BlockStream:
             return []
         out = []
         if isinstance(self._open, Reasoning):
-            sig = SignatureDelta(signature("".join(self._thought)))
+            sig = SignatureDelta(_signature("".join(self._thought)))
             out.append(event(ContentBlockDelta(self._wire, sig)))
             self._thought = []
         out.append(event(ContentBlockStop(self._wire)))

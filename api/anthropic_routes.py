@@ -1,11 +1,11 @@
 """Anthropic's routes: /v1/messages and /v1/messages/count_tokens.
 
 The same shape as the OpenAI routes (api.openai_routes): the body decoded by its codec
-(api.anthropic_messages) into the one internal request, `api.pipeline.prepare` queues it,
-`api.respond` streams or collects it back through the codec — so the prefix cache, the
-lanes, fair share, the limits and the metrics apply as they do there. Only the errors
-differ: whatever a route raises is answered in Anthropic's envelope
-(api.anthropic_wire), which its SDKs read into typed errors.
+(api.anthropic_messages, api.anthropic_input) into the one internal request,
+`api.pipeline.prepare` queues it, `api.respond` streams or collects it back through the
+codec — so the prefix cache, the lanes, fair share, the limits and the metrics apply as
+they do there. Only the errors differ: whatever a route raises is answered in
+Anthropic's envelope (api.anthropic_wire), which its SDKs read into typed errors.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from collections.abc import Awaitable, Callable
 from starlette.requests import Request
 from starlette.responses import Response
 
-from api.anthropic_messages import MessagesCodec, counted
+from api.anthropic_input import counted
+from api.anthropic_messages import MessagesCodec
 from api.anthropic_wire import COUNT_TOKENS_DECODER, MESSAGES_DECODER, TokenCount, error_response
 from api.auth import client_of
 from api.body import read_json
@@ -27,10 +28,10 @@ from api.respond import json_response, respond
 from api.state import working_state
 
 log = logging.getLogger(__name__)
-Route = Callable[[Request], Awaitable[Response]]
+Endpoint = Callable[[Request], Awaitable[Response]]
 
 
-def anthropic_errors(route: Route) -> Route:
+def anthropic_errors(route: Endpoint) -> Endpoint:
     """`route`, its errors answered in Anthropic's envelope (an unexpected one logged and
     answered 500, as the app does for the OpenAI routes)."""
 

@@ -16,7 +16,8 @@ import pytest
 from anthropic.lib.streaming._messages import accumulate_event
 from anthropic.types import Message as SDKMessage
 
-from api.anthropic_messages import MessagesCodec, counted
+from api.anthropic_input import counted
+from api.anthropic_messages import MessagesCodec
 from api.anthropic_wire import (
     COUNT_TOKENS_DECODER,
     MESSAGES_DECODER,
