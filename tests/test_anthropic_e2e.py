@@ -259,7 +259,7 @@ def test_a_format_holds_the_answer_to_its_schema(server: Server) -> None:
     ask: Any = [{"role": "user", "content": "How old is Alice, who is 30? Answer in JSON."}]
     with client(server) as c:
         msg = c.messages.create(
-            model=MODEL, max_tokens=40, messages=ask, temperature=0,
+            model=MODEL, max_tokens=60, messages=ask, temperature=0,
             extra_body={"output_config": {"format": {"type": "json_schema", "schema": schema}}},
         )  # fmt: skip
     assert msg.stop_reason == "end_turn"
@@ -376,14 +376,15 @@ def test_a_key_in_either_header_is_taken(tooled: Server) -> None:
 
 
 def test_a_tool_use_round_trip(tooled: Server) -> None:
-    """`any`: the answer is a call of a listed tool whose input fits its schema, stop
-    reason `tool_use`; streamed, the same call. Sent back with its result (`auto` now),
+    """`any` (one call): the answer is a call of a listed tool whose input fits its
+    schema, stop reason `tool_use`; streamed, the same call. Sent back with its result (`auto` now),
     the call and the result are in the prompt — a longer result, a longer prompt."""
     kw: dict[str, Any] = {"model": "tooled", "max_tokens": 200, "messages": HELLO,
                           "tools": TOOLS, "temperature": 0, "extra_body": REPRO}  # fmt: skip
     with client(tooled, api_key=KEY) as c:
-        msg = c.messages.create(**kw, tool_choice={"type": "any"})
-        with c.messages.stream(**kw, tool_choice={"type": "any"}) as stream:
+        one: Any = {"type": "any", "disable_parallel_tool_use": True}
+        msg = c.messages.create(**kw, tool_choice=one)
+        with c.messages.stream(**kw, tool_choice=one) as stream:
             streamed = stream.get_final_message()
         assert msg.stop_reason == "tool_use", msg
         uses = [b for b in msg.content if b.type == "tool_use"]
