@@ -267,8 +267,9 @@ def _whole(codec: MessagesCodec, pieces: list[ChoiceDelta], blocks: list[Block])
 def _accumulated(events: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     """The message the SDK's stream helper builds from the events."""
     snapshot = None
+    bufs: dict[int, bytes] = {}
     for _, e in events:
-        snapshot = accumulate_event(event=e, current_snapshot=snapshot, json_bufs={})  # type: ignore[arg-type]
+        snapshot = accumulate_event(event=e, current_snapshot=snapshot, json_bufs=bufs)  # type: ignore[arg-type]
     assert snapshot is not None
     return SDKMessage.model_validate(snapshot.to_dict()).model_dump(exclude_none=True)
 
