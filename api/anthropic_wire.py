@@ -4,7 +4,7 @@ events, its error envelope (https://docs.anthropic.com/en/api/messages).
 Block and event kinds are msgspec tagged unions on `type`, so a block of a kind the API
 does not have, or one missing a field, is a 400 naming where it is, from the decoder
 that parses the JSON. Kinds the API has and this server cannot serve (images and
-documents: the model reads text) decode, so that api.anthropic_messages can refuse them
+documents: the model reads text) decode, so that api.anthropic_input can refuse them
 by name. Fields that do not change the output (`metadata`, `cache_control`,
 `service_tier`) are accepted and ignored.
 
