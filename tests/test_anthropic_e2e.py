@@ -26,7 +26,10 @@ from tests.tiny_gguf import write_llama
 pytestmark = pytest.mark.e2e
 
 ASK: Any = [{"role": "user", "content": "Write a short story about a robot."}]
-REPRO = {"strata_reproducible": "required"}  # the lane whose output is the same every time
+# This SDK has no sampling fields (the server reads Anthropic's `temperature`, `top_p`,
+# `top_k`): they go in `extra_body`.
+GREEDY = {"temperature": 0}
+REPRO = {"strata_reproducible": "required", **GREEDY}  # the same output every time
 KEY = "sk-test-anthropic"
 
 
@@ -143,7 +146,7 @@ def test_the_order_check_can_fail() -> None:
 # ---- the embedded model ---------------------------------------------------------------
 def test_create_answers_with_a_message(server: Server) -> None:
     with client(server) as c:
-        msg = c.messages.create(model=MODEL, max_tokens=12, messages=ASK, temperature=0)
+        msg = c.messages.create(model=MODEL, max_tokens=12, messages=ASK, extra_body=GREEDY)
     assert msg.id.startswith("msg_") and msg.type == "message" and msg.role == "assistant"
     assert msg.model == MODEL
     assert [b.type for b in msg.content] == ["text"] and msg.content[0].text  # type: ignore[union-attr]
@@ -160,7 +163,7 @@ def test_the_streamed_message_is_the_created_one(server: Server) -> None:
     """At temperature 0 (in the reproducible lane: the same tokens every time, whatever
     the prefix cache read) the message the SDK accumulates from the stream has the
     content and stop reason of the one created whole; the usage adds up the same."""
-    kw: dict[str, Any] = {"model": MODEL, "max_tokens": 24, "messages": ASK, "temperature": 0,
+    kw: dict[str, Any] = {"model": MODEL, "max_tokens": 24, "messages": ASK,
                           "system": "You are terse.", "extra_body": REPRO}  # fmt: skip
     with client(server) as c:
         whole = c.messages.create(**kw)
@@ -181,13 +184,13 @@ def test_the_streamed_message_is_the_created_one(server: Server) -> None:
 def test_a_sampled_request_in_the_reproducible_lane_is_refused(server: Server) -> None:
     """The lane needs a seed to sample reproducibly, and the Messages API has none."""
     with client(server) as c, pytest.raises(anthropic.BadRequestError) as e:
-        c.messages.create(model=MODEL, max_tokens=4, messages=ASK, temperature=0.7,
-                          extra_body=REPRO)  # fmt: skip
+        c.messages.create(model=MODEL, max_tokens=4, messages=ASK,
+                          extra_body={**REPRO, "temperature": 0.7})  # fmt: skip
     assert e.value.body["error"]["message"].startswith("strata_reproducible: ")  # type: ignore[index]
 
 
 def test_the_raw_stream_keeps_anthropics_event_order(server: Server) -> None:
-    body = {"model": MODEL, "max_tokens": 16, "messages": ASK, "temperature": 0, **REPRO}
+    body = {"model": MODEL, "max_tokens": 16, "messages": ASK, **REPRO}
     events = sse(server, body)
     assert order_problems(events) == []
     start = events[0][1]["message"]
@@ -204,7 +207,7 @@ def test_the_raw_stream_keeps_anthropics_event_order(server: Server) -> None:
 def test_stop_sequences_end_the_message_and_are_reported(server: Server) -> None:
     """A word of the greedy answer as a stop sequence: the answer ends right before its
     first occurrence, `stop_reason` is `stop_sequence` and names it, streamed or not."""
-    kw: dict[str, Any] = {"model": MODEL, "max_tokens": 32, "messages": ASK, "temperature": 0,
+    kw: dict[str, Any] = {"model": MODEL, "max_tokens": 32, "messages": ASK,
                           "extra_body": REPRO}  # fmt: skip
     with client(server) as c:
         free = c.messages.create(**kw).content[0].text  # type: ignore[union-attr]
@@ -237,7 +240,7 @@ def test_system_and_turns_render_into_the_prompt(server: Server) -> None:
         turns: Any = [*ASK, {"role": "assistant", "content": "Beep."},
                       {"role": "user", "content": "Another one, please."}]  # fmt: skip
         multi = count(messages=turns)
-        answer = c.messages.create(model=MODEL, max_tokens=8, messages=turns, temperature=0)
+        answer = c.messages.create(model=MODEL, max_tokens=8, messages=turns, extra_body=GREEDY)
         split = count(
             messages=[
                 {"role": "user", "content": "one"},
@@ -259,8 +262,9 @@ def test_a_format_holds_the_answer_to_its_schema(server: Server) -> None:
     ask: Any = [{"role": "user", "content": "How old is Alice, who is 30? Answer in JSON."}]
     with client(server) as c:
         msg = c.messages.create(
-            model=MODEL, max_tokens=60, messages=ask, temperature=0,
-            extra_body={"output_config": {"format": {"type": "json_schema", "schema": schema}}},
+            model=MODEL, max_tokens=60, messages=ask,
+            extra_body={"output_config": {"format": {"type": "json_schema", "schema": schema}},
+                        **GREEDY},
         )  # fmt: skip
     assert msg.stop_reason == "end_turn"
     jsonschema.validate(json.loads(msg.content[0].text), schema)  # type: ignore[union-attr]
@@ -380,7 +384,7 @@ def test_a_tool_use_round_trip(tooled: Server) -> None:
     schema, stop reason `tool_use`; streamed, the same call. Sent back with its result (`auto` now),
     the call and the result are in the prompt — a longer result, a longer prompt."""
     kw: dict[str, Any] = {"model": "tooled", "max_tokens": 200, "messages": HELLO,
-                          "tools": TOOLS, "temperature": 0, "extra_body": REPRO}  # fmt: skip
+                          "tools": TOOLS, "extra_body": REPRO}  # fmt: skip
     with client(tooled, api_key=KEY) as c:
         one: Any = {"type": "any", "disable_parallel_tool_use": True}
         msg = c.messages.create(**kw, tool_choice=one)
@@ -418,13 +422,13 @@ def test_a_tool_use_round_trip(tooled: Server) -> None:
 def test_a_named_tool_and_one_call_only(tooled: Server) -> None:
     with client(tooled, api_key=KEY) as c:
         named = c.messages.create(
-            model="tooled", max_tokens=200, messages=HELLO, tools=TOOLS, temperature=0,
+            model="tooled", max_tokens=200, messages=HELLO, tools=TOOLS, extra_body=GREEDY,
             tool_choice={"type": "tool", "name": "get_time"},
         )  # fmt: skip
         for seed_temperature in (0.0, 1.0):
             one = c.messages.create(
                 model="tooled", max_tokens=300, messages=HELLO, tools=TOOLS,
-                temperature=seed_temperature,
+                extra_body={"temperature": seed_temperature},
                 tool_choice={"type": "any", "disable_parallel_tool_use": True},
             )  # fmt: skip
             assert [b.type for b in one.content] == ["tool_use"], one.content
@@ -474,7 +478,7 @@ def test_thinking_comes_as_thinking_blocks(thinker: Server) -> None:
     """Asked for, the reasoning is a thinking block first (signed), streamed or not, the
     same at temperature 0; not asked for, it is not shown, and the text is the same."""
     kw: dict[str, Any] = {"model": "thinker", "max_tokens": 24, "messages": HELLO,
-                          "temperature": 0, "extra_body": REPRO}  # fmt: skip
+                          "extra_body": REPRO}  # fmt: skip
     with client(thinker) as c:
         msg = c.messages.create(**kw, thinking=THINK)
         with c.messages.stream(**kw, thinking=THINK) as stream:
@@ -487,7 +491,7 @@ def test_thinking_comes_as_thinking_blocks(thinker: Server) -> None:
     assert dump(hidden.content) == dump(msg.content[1:])  # no thinking block
     assert hidden.usage.output_tokens == msg.usage.output_tokens
     events = sse(thinker, {"model": "thinker", "max_tokens": 24, "messages": HELLO,
-                           "temperature": 0, "thinking": THINK, **REPRO})  # fmt: skip
+                           "thinking": THINK, **REPRO})  # fmt: skip
     assert order_problems(events) == []
     assert events[1][1]["content_block"]["type"] == "thinking"
 
@@ -495,7 +499,7 @@ def test_thinking_comes_as_thinking_blocks(thinker: Server) -> None:
 def test_thinking_in_the_history_is_accepted_and_not_rendered(thinker: Server) -> None:
     with client(thinker) as c:
         msg = c.messages.create(model="thinker", max_tokens=12, messages=HELLO, thinking=THINK,
-                                temperature=0)  # fmt: skip
+                                extra_body=GREEDY)  # fmt: skip
         thought = [b for b in msg.content if b.type == "thinking"]
         assert thought
         again: Any = [*HELLO, {"role": "assistant", "content": [*thought, {"type": "text",
@@ -514,7 +518,8 @@ def test_max_tokens_is_a_bound_the_context_may_cut(thinker: Server) -> None:
     """More than the context leaves (Claude Code asks for 32K whatever the model): the
     answer gets what it leaves and says so; the OpenAI route still refuses it."""
     with client(thinker) as c:
-        msg = c.messages.create(model="thinker", max_tokens=4096, messages=HELLO, temperature=0)
+        msg = c.messages.create(model="thinker", max_tokens=4096, messages=HELLO,
+                                extra_body=GREEDY)  # fmt: skip
     assert msg.stop_reason == "model_context_window_exceeded"
     assert msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0) + \
         msg.usage.output_tokens == 512  # fmt: skip
