@@ -32,8 +32,8 @@ Endpoint = Callable[[Request], Awaitable[Response]]
 
 
 def anthropic_errors(route: Endpoint) -> Endpoint:
-    """`route`, its errors answered in Anthropic's envelope (an unexpected one logged and
-    answered 500, as the app does for the OpenAI routes)."""
+    """`route`, its errors answered in Anthropic's envelope (what is not an APIError, a
+    bug, the app logs and answers as a 500, in the path's envelope too)."""
 
     @functools.wraps(route)
     async def answer(request: Request) -> Response:
@@ -43,9 +43,6 @@ def anthropic_errors(route: Endpoint) -> Endpoint:
             if isinstance(e, ClientGone):
                 log.info("%s", e.message)
             return error_response(e)
-        except Exception as e:
-            log.exception("unhandled error", exc_info=e)
-            return error_response(APIError("internal server error"))
 
     return answer
 

@@ -35,6 +35,7 @@ from api.errors import (
     ServiceUnavailable,
     Unauthorized,
 )
+from api.errors import error_response as openai_error_response
 from api.schemas import ENCODER
 
 PREFIX = "/v1/messages"  # every Anthropic route's path starts so (api.auth answers in kind)
@@ -374,3 +375,9 @@ def error_response(err: APIError) -> Response:
         ENCODER.encode(error_body(err)), status_code=status, media_type="application/json",
         headers=err.headers(),
     )  # fmt: skip
+
+
+def error_response_for(path: str, err: APIError) -> Response:
+    """`err` in the envelope of the API that `path` belongs to (for what answers before
+    or around the routes: the key check, unknown methods, unexpected errors)."""
+    return error_response(err) if path.startswith(PREFIX) else openai_error_response(err)

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from api import anthropic_wire
-from api.errors import Unauthorized, error_response
+from api.anthropic_wire import error_response_for
+from api.errors import Unauthorized
 
 ENV_VAR = "ONEGPU_API_KEY"
 
@@ -92,11 +92,7 @@ class BearerAuth:
                 index = self.keys.match_key(key)
             if index is None:
                 err = Unauthorized("invalid or missing API key")
-                path: str = scope["path"]
-                if path.startswith(anthropic_wire.PREFIX):
-                    resp = anthropic_wire.error_response(err)
-                else:
-                    resp = error_response(err)
+                resp = error_response_for(scope["path"], err)
                 await resp(scope, receive, send)
                 return
             scope.setdefault("state", {})["api_key_index"] = index

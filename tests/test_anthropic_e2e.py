@@ -312,6 +312,19 @@ def test_malformed_bodies_get_anthropic_400s(server: Server) -> None:
     assert "document blocks are not served" in bad.value.message
 
 
+def test_what_the_routes_do_not_take_is_answered_in_anthropics_envelope(server: Server) -> None:
+    """A method the route does not take, a path under it that is none: Anthropic's
+    envelope too (the OpenAI routes keep theirs)."""
+    for method, path, status in (("GET", "/v1/messages", 405), ("TRACE", "/v1/messages", 405),
+                                 ("POST", "/v1/messages/nope", 404)):  # fmt: skip
+        r = httpx.request(method, server.url + path, timeout=30)
+        assert r.status_code == status, (method, path)
+        got = r.json()
+        assert got["type"] == "error" and set(got["error"]) == {"type", "message"}, got
+    assert httpx.get(server.url + "/v1/messages").headers["allow"] == "POST"
+    assert set(httpx.get(server.url + "/v1/completions").json()) == {"error"}
+
+
 def _metrics(server: Server) -> dict[str, float]:
     text = httpx.get(server.url + "/metrics").text
     return {f"{s.name}{{{s.labels.get('route')},{s.labels.get('code')}}}": s.value
