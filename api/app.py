@@ -18,12 +18,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from api.anthropic_routes import messages, messages_count_tokens
+from api.anthropic_wire import error_response_for
 from api.auth import BearerAuth, KeySet
 from api.errors import (
     APIError,
     MethodNotAllowed,
     RouteNotFound,
-    error_response,
     handle_api_error,
 )
 from api.experts import expert_counts as expert_counts_route
@@ -229,21 +230,22 @@ async def metrics(request: Request) -> Response:
     return Response(server_state(request).metrics.render(), media_type=CONTENT_TYPE)
 
 
-async def _http_error(_request: Request, exc: Exception) -> Response:
+async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
+    path = request.url.path  # (the answer is in the envelope of the path's API)
     if exc.status_code == 405:
-        resp = error_response(MethodNotAllowed("method not allowed"))
+        resp = error_response_for(path, MethodNotAllowed("method not allowed"))
         resp.headers.update(exc.headers or {})  # Allow: the methods the route takes
         return resp
     if exc.status_code == 404:
-        return error_response(RouteNotFound("no such route"))
-    return error_response(APIError(str(exc.detail)))
+        return error_response_for(path, RouteNotFound("no such route"))
+    return error_response_for(path, APIError(str(exc.detail)))
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error", exc_info=exc)
     count_status(request.scope, 500)  # (Starlette answers this outside every middleware)
-    return error_response(APIError("internal server error"))
+    return error_response_for(request.url.path, APIError("internal server error"))
 
 
 def _model_bytes(settings: ServerSettings) -> int:
@@ -328,6 +330,8 @@ def build_app(settings: ServerSettings) -> Starlette:
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", messages_count_tokens, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/experts", experts_route, methods=["GET"]),

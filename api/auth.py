@@ -2,7 +2,8 @@
 
 Keys come from `--api-key` (repeatable), `--api-key-file` (one a line) and
 `ONEGPU_API_KEY`; a file or the environment keeps them out of `ps`, and no key is ever
-logged. A presented key is hashed and compared with every key's hash in constant time —
+logged. A key comes as `Authorization: Bearer KEY` or, as Anthropic's clients send it,
+`x-api-key: KEY`. A presented key is hashed and compared with every key's hash in constant time —
 all of them, whether or not one matched — so neither the answer's timing nor the hashes'
 shared prefixes tell an attacker anything. A caller is known by its key's index (several
 connections, one client), else by its connection.
@@ -17,7 +18,8 @@ from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from api.errors import Unauthorized, error_response
+from api.anthropic_wire import error_response_for
+from api.errors import Unauthorized
 
 ENV_VAR = "ONEGPU_API_KEY"
 
@@ -45,10 +47,15 @@ class KeySet:
     def match(self, authorization: bytes) -> int | None:
         """The index of the key in `Authorization: Bearer KEY`, or None."""
         scheme, _, token = authorization.partition(b" ")
-        digest = hashlib.sha256(token.strip()).digest()
+        found = self.match_key(token.strip())
+        return found if scheme.lower() == b"bearer" else None
+
+    def match_key(self, key: bytes) -> int | None:
+        """The index of `key` (`x-api-key: KEY`), or None."""
+        digest = hashlib.sha256(key).digest()
         found = None
         for i, d in enumerate(self._digests):
-            if hmac.compare_digest(digest, d) and scheme.lower() == b"bearer":
+            if hmac.compare_digest(digest, d):
                 found = i
         return found
 
@@ -63,9 +70,10 @@ def client_of(scope: Scope) -> str:
 
 
 class BearerAuth:
-    """`Authorization: Bearer KEY` on /v1 routes and /tokenize, /detokenize, and on
-    /metrics and /experts when `protect_metrics` is set; /health stays open for load
-    balancers."""
+    """`Authorization: Bearer KEY` (or `x-api-key: KEY`) on /v1 routes and /tokenize,
+    /detokenize, and on /metrics and /experts when `protect_metrics` is set; /health
+    stays open for load balancers. A refusal is in the envelope of the route's API
+    (Anthropic's under /v1/messages)."""
 
     def __init__(self, app: ASGIApp, keys: KeySet, protect_metrics: bool) -> None:
         self.app = app
@@ -75,13 +83,18 @@ class BearerAuth:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(self.prefixes):
-            got = b""
+            got = key = b""
             for name, value in scope["headers"]:
                 if name == b"authorization":
                     got = value
-            index = self.keys.match(got)
+                elif name == b"x-api-key":
+                    key = value.strip()
+            index = self.keys.match(got)  # either header may carry the key
             if index is None:
-                resp = error_response(Unauthorized("invalid or missing API key"))
+                index = self.keys.match_key(key)
+            if index is None:
+                err = Unauthorized("invalid or missing API key")
+                resp = error_response_for(scope["path"], err)
                 await resp(scope, receive, send)
                 return
             scope.setdefault("state", {})["api_key_index"] = index

@@ -67,7 +67,7 @@ class Generation:
                 parts.calls += more.calls
             yield ChoiceDelta(
                 i, numbers[i].blocks(parts), o.logprobs, o.prompt_logprobs, reason,
-                o.num_output_tokens, o.num_cached_tokens,
+                o.num_output_tokens, o.num_cached_tokens, o.stop_string,
             )  # fmt: skip
 
     async def answers(self) -> list[ChoiceAnswer]:
@@ -82,7 +82,8 @@ class Generation:
             _, reason = whole.finish(c.finish_reason)
             blocks = BlockNumbers().blocks(whole.all)
             out.append(ChoiceAnswer(i, blocks, c.logprobs, c.prompt_logprobs, reason,
-                                    c.num_output_tokens, c.num_cached_tokens))  # fmt: skip
+                                    c.num_output_tokens, c.num_cached_tokens,
+                                    c.stop_string))  # fmt: skip
         return out
 
     def _split(self) -> AnswerSplit:
@@ -150,6 +151,7 @@ class _Collected:
     finish_reason: str = "stop"
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    stop_string: str | None = None
 
     def add(self, o: RequestOutput) -> None:
         self.text.append(o.text)
@@ -160,3 +162,4 @@ class _Collected:
         self.num_cached_tokens = o.num_cached_tokens
         if o.finish_reason is not None:
             self.finish_reason = o.finish_reason
+            self.stop_string = o.stop_string

@@ -109,6 +109,9 @@ class GenerationRequest:
     input: Chat | Prompts
     sampling: Sampling = field(default_factory=Sampling)
     max_tokens: int | None = None  # per choice; None: as many as the context leaves
+    # max_tokens as a bound only: where the prompt leaves less room, as many as it leaves
+    # (Anthropic's Messages), instead of a 400 (OpenAI's)
+    cap_max_tokens: bool = False
     stop: tuple[str, ...] = ()
     n: int = 1  # choices per prompt
     tools: Tools = field(default_factory=Tools)

@@ -16,8 +16,18 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from api.anthropic_wire import (
+    EVENT_TYPES,
+    AnthropicError,
+    CountTokensRequest,
+    MessageResponse,
+    MessagesRequest,
+    TokenCount,
+)
+from api.anthropic_wire import StreamEvent as AnthropicEvent
 from api.responses_wire import Response as ResponseObject
-from api.responses_wire import ResponsesRequest, StreamEvent
+from api.responses_wire import ResponsesRequest
+from api.responses_wire import StreamEvent as ResponsesEvent
 from api.schemas import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -49,11 +59,21 @@ GENERATION_ERRORS: tuple[tuple[int, str], ...] = (
     (503, "The server is shutting down."),
 )  # fmt: skip
 READ_ERRORS = GENERATION_ERRORS[1:2]  # GET /v1/models: only the key can be wrong
+# Anthropic's routes: its error envelope, and 529 where the OpenAI routes answer 503
+MESSAGES_ERRORS: tuple[tuple[int, str], ...] = (
+    *((status, why) for status, why in GENERATION_ERRORS if status != 503),
+    (529, "The server is loading or shutting down: overloaded, retry shortly."),
+)
 
 
 def _optional_bearer() -> list[dict[str, list[str]]]:
     """/v1 routes want `Authorization: Bearer KEY` only when the server has a key."""
     return [{"bearerAuth": []}, {}]
+
+
+def _optional_key() -> list[dict[str, list[str]]]:
+    """Anthropic's clients send the key as `x-api-key`; the server takes either header."""
+    return [{"apiKeyAuth": []}, {"bearerAuth": []}, {}]
 
 
 def _health() -> dict[str, Any]:
@@ -132,6 +152,42 @@ def _generation(
     }
 
 
+def _messages(schemas: tuple[dict[str, Any], ...], error: dict[str, Any]) -> dict[str, Any]:
+    """POST /v1/messages: a message, or its events (`event:` names the data's `type`)."""
+    request, message, events = schemas
+    stream = {
+        "type": "object",
+        "properties": {
+            "event": {"type": "string", "enum": list(EVENT_TYPES)},
+            "data": {"type": "string", "contentMediaType": JSON, "contentSchema": events},
+        },
+        "required": ["event", "data"],
+    }
+    ok = _response(
+        "The message (`stream: false`), or server-sent events (`stream: true`).",
+        {JSON: message, SSE: stream},
+    )
+    return _post("createMessage", "Create a message (Anthropic's Messages API)", request, ok,
+                 error)  # fmt: skip
+
+
+def _post(
+    operation_id: str, summary: str, request: dict[str, Any], ok: dict[str, Any],
+    error: dict[str, Any],
+) -> dict[str, Any]:  # fmt: skip
+    """An Anthropic route: its JSON body in, its error envelope out."""
+    return {
+        "post": {
+            "operationId": operation_id,
+            "summary": summary,
+            "tags": ["anthropic"],
+            "security": _optional_key(),
+            "requestBody": {"required": True, "content": {JSON: {"schema": request}}},
+            "responses": {"200": ok, **_errors(MESSAGES_ERRORS, error)},
+        }
+    }
+
+
 def _get(operation_id: str, summary: str, tag: str, **fields: Any) -> dict[str, Any]:
     return {"get": {"operationId": operation_id, "summary": summary, "tags": [tag], **fields}}
 
@@ -142,12 +198,14 @@ def openapi_document(title: str, version: str) -> dict[str, Any]:
         ChatCompletionRequest, ChatCompletion, ChatCompletionChunk,
         CompletionRequest, Completion,
         ModelList, ErrorBody, ExpertReport,
-        ResponsesRequest, ResponseObject, StreamEvent,
+        ResponsesRequest, ResponseObject, ResponsesEvent,
+        MessagesRequest, MessageResponse, AnthropicEvent, CountTokensRequest, TokenCount,
+        AnthropicError,
     )  # fmt: skip
     refs, components = msgspec.json.schema_components(types, ref_template=REF)
-    chat, completion, (models, error, experts), responses = (
-        refs[0:3], refs[3:5], refs[5:8], refs[8:11]
-    )  # fmt: skip
+    chat, completion, (models, error, experts) = refs[0:3], refs[3:5], refs[5:8]
+    responses, messages = refs[8:11], refs[11:14]
+    count_request, count, anthropic_error = refs[14:17]
     paths = {
         "/v1/chat/completions": _generation(
             "createChatCompletion", "Create a chat completion", chat, error
@@ -175,6 +233,14 @@ def openapi_document(title: str, version: str) -> dict[str, Any]:
                 "200": _response("The models.", {JSON: models}),
                 **_errors(READ_ERRORS, error),
             },
+        ),
+        "/v1/messages": _messages(messages, anthropic_error),
+        "/v1/messages/count_tokens": _post(
+            "countMessageTokens",
+            "Count a message request's input tokens (rendered and tokenized, not generated)",
+            count_request,
+            _response("The prompt's tokens.", {JSON: count}),
+            anthropic_error,
         ),
         "/health": _get(
             "health",
@@ -216,7 +282,10 @@ def openapi_document(title: str, version: str) -> dict[str, Any]:
         "paths": paths,
         "components": {
             "schemas": components,
-            "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer"}},
+            "securitySchemes": {
+                "bearerAuth": {"type": "http", "scheme": "bearer"},
+                "apiKeyAuth": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+            },
         },
     }
 

@@ -51,6 +51,7 @@ class ChoiceDelta:
     finish_reason: str | None  # stop | length | tool_calls | error | shutdown; None: more
     output_tokens: int
     cached_tokens: int  # prompt tokens read from the prefix cache
+    stop_string: str | None = None  # the stop string that ended it (finish_reason stop)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +65,7 @@ class ChoiceAnswer:
     finish_reason: str
     output_tokens: int
     cached_tokens: int
+    stop_string: str | None = None  # the stop string that ended it (finish_reason stop)
 
 
 def text_of(blocks: list[Block]) -> str:

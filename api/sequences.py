@@ -31,7 +31,8 @@ def sequences(
     lane: str, client: str,
 ) -> list[Request]:  # fmt: skip
     """Every sequence of the request, in order: prompt p's choice c is p * n + c."""
-    limits = [max_tokens_for(state, len(p.ids), req.max_tokens, lane) for p in prompts]
+    limits = [max_tokens_for(state, len(p.ids), req.max_tokens, lane, req.cap_max_tokens)
+              for p in prompts]  # fmt: skip
     s = req.sampling
     bias = logit_bias(s.logit_bias, state.model.n_vocab)
     least = min_tokens(s.min_tokens, req.max_tokens)
@@ -100,12 +101,15 @@ def sampling_params(
     )
 
 
-def max_tokens_for(state: ServerState, n_prompt: int, asked: int | None, lane: str = FAST) -> int:
-    """Resolve max_tokens against the lane's context; 400 when prompt + max_tokens cannot fit."""
+def max_tokens_for(
+    state: ServerState, n_prompt: int, asked: int | None, lane: str = FAST, cap: bool = False
+) -> int:
+    """Resolve max_tokens against the lane's context; 400 when prompt + max_tokens cannot
+    fit, unless `cap`: then as many as the context leaves, up to max_tokens."""
     limit = state.max_len(lane)
     if n_prompt == 0:
         raise InvalidRequest("the prompt is empty", param="prompt")
-    if asked is None:
+    if asked is None or (cap and n_prompt + asked > limit):
         if n_prompt >= limit:
             raise _too_long(n_prompt, 1, limit)
         return limit - n_prompt

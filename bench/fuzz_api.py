@@ -4,9 +4,10 @@ Starts a small server, loads its `/openapi.json`, and lets schemathesis send eve
 valid and invalid inputs (its examples, coverage and fuzzing phases; positive and negative
 generation). Checks: no 5xx; every response with status >= 400 is exactly an OpenAI error
 body served as JSON — what the `openai` SDK needs to raise a typed error with the server's
-message; and (by default, `--extra-checks`) every documented response, SSE frames
-included, matches the document. Prints the statuses seen per operation and each distinct
-failure with the request that triggers it; exits 1 if there was one.
+message — or, on Anthropic's routes (/v1/messages…), exactly Anthropic's envelope; and (by
+default, `--extra-checks`) every documented response, SSE frames included, matches the
+document. Prints the statuses seen per operation and each distinct failure with the
+request that triggers it; exits 1 if there was one.
 
 The request bodies are steered towards what this server can serve (`model` is the served
 model's name, `role` one the chat template knows) so that most valid cases reach the
@@ -72,10 +73,26 @@ def error_body_problems(body: object) -> list[str]:
     return problems
 
 
+def anthropic_error_body_problems(body: object) -> list[str]:
+    """What keeps `body` from being exactly `{"type": "error", "error": {"type",
+    "message"}}` with a non-empty type and message (empty: it is one)."""
+    if not isinstance(body, dict) or set(body) != {"type", "error"} or body["type"] != "error":
+        return [f"body is not an object of `type` error and an `error`: {body!r:.200}"]
+    err = body["error"]
+    if not isinstance(err, dict) or set(err) != {"type", "message"}:
+        return [f"`error` is not an object of exactly `type` and `message`: {err!r:.200}"]
+    return [
+        f"`error.{key}` is not a non-empty string: {err[key]!r}"
+        for key in ("type", "message")
+        if not isinstance(err[key], str) or not err[key]
+    ]
+
+
 def openai_error_body(
     ctx: schemathesis.CheckContext, response: schemathesis.Response, case: schemathesis.Case[Any]
 ) -> bool | None:
-    """A schemathesis check: every status >= 400 carries an OpenAI error body as JSON."""
+    """A schemathesis check: every status >= 400 carries an OpenAI error body as JSON
+    (Anthropic's envelope on its routes)."""
     if response.status_code < 400:
         return None
     ctype = ",".join(response.headers.get("content-type", []))
@@ -89,7 +106,8 @@ def openai_error_body(
         raise AssertionError(
             f"status {response.status_code} with a body that is not JSON: {response.content!r:.200}"
         ) from None
-    problems = error_body_problems(body)
+    anthropic = case.path.startswith("/v1/messages")
+    problems = (anthropic_error_body_problems if anthropic else error_body_problems)(body)
     if problems:
         raise AssertionError(f"status {response.status_code}: " + "; ".join(problems))
     return None

@@ -64,5 +64,6 @@ class OutputProcessor:
                 stopped.append(o.req_id)
             if end:
                 self._texts.pop(o.req_id, None)
-            done.append(replace(o, text=text, finish_reason=reason))
+            stop_string = t.stops.hit if hit else None
+            done.append(replace(o, text=text, finish_reason=reason, stop_string=stop_string))
         return done, stopped

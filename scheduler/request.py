@@ -146,3 +146,4 @@ class RequestOutput:
     num_cached_tokens: int = 0  # of the prompt tokens, those read from the prefix cache
     # the prompt's own logprobs (tokens 1.. of it), on the request's first output
     prompt_logprobs: list[Sampled] | None = None
+    stop_string: str | None = None  # on the last output: the stop string that ended it

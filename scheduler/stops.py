@@ -8,11 +8,12 @@ from __future__ import annotations
 
 
 class StopMatcher:
-    __slots__ = ("_pending", "stops")
+    __slots__ = ("_pending", "hit", "stops")
 
     def __init__(self, stops: tuple[str, ...] = ()) -> None:
         self.stops = tuple(s for s in stops if s)
         self._pending = ""
+        self.hit: str | None = None  # the stop string that ended the text, once one did
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Add text; return (text safe to emit, whether a stop string was hit)."""
@@ -23,7 +24,7 @@ class StopMatcher:
         for s in self.stops:
             i = pending.find(s)
             if i != -1 and (cut == -1 or i < cut):
-                cut = i
+                cut, self.hit = i, s
         if cut != -1:
             self._pending = ""
             return pending[:cut], True

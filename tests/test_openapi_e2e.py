@@ -22,9 +22,17 @@ import schemathesis
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
+from api.anthropic_wire import MessagesRequest
 from api.openapi import TITLE, openapi_document
 from api.schemas import ChatCompletionRequest, CompletionRequest, ErrorDetail
-from bench.fuzz_api import SERVER_ARGS, error_body_problems, fuzz_config, openai_error_body, steer
+from bench.fuzz_api import (
+    SERVER_ARGS,
+    anthropic_error_body_problems,
+    error_body_problems,
+    fuzz_config,
+    openai_error_body,
+    steer,
+)
 from bench.server_proc import Server, start_server
 from tests.conftest import MODEL
 
@@ -37,12 +45,15 @@ PATHS = {
     "/v1/completions": "post",
     "/v1/responses": "post",
     "/v1/models": "get",
+    "/v1/messages": "post",
+    "/v1/messages/count_tokens": "post",
     "/health": "get",
     "/metrics": "get",
     "/experts": "get",
     "/openapi.json": "get",
 }
 GENERATION_ERRORS = {"400", "401", "404", "408", "413", "429", "503"}
+MESSAGES_ERRORS = {"400", "401", "404", "408", "413", "429", "529"}  # Anthropic's envelope
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +106,14 @@ def test_openapi_json_is_a_valid_openapi_31_document(fuzz_server: Server) -> Non
         for status in GENERATION_ERRORS:
             body = op["responses"][status]["content"]["application/json"]["schema"]
             assert body == {"$ref": "#/components/schemas/ErrorBody"}
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        op = doc["paths"][path]["post"]
+        assert set(op["responses"]) >= MESSAGES_ERRORS
+        for status in MESSAGES_ERRORS:
+            body = op["responses"][status]["content"]["application/json"]["schema"]
+            assert body == {"$ref": "#/components/schemas/AnthropicError"}
+    stream = doc["paths"]["/v1/messages"]["post"]["responses"]["200"]["content"]
+    assert set(stream) == {"application/json", "text/event-stream"}
     assert "text/plain" in doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     assert [p["name"] for p in doc["paths"]["/experts"]["get"]["parameters"]] == ["top"]
 
@@ -103,7 +122,7 @@ def test_openapi_follows_the_structs(fuzz_server: Server) -> None:
     """Generated from api.schemas at runtime: every field is there as the Struct has it."""
     doc = httpx.get(fuzz_server.url + "/openapi.json").json()
     schemas = doc["components"]["schemas"]
-    for struct in (ChatCompletionRequest, CompletionRequest, ErrorDetail):
+    for struct in (ChatCompletionRequest, CompletionRequest, ErrorDetail, MessagesRequest):
         assert set(schemas[struct.__name__]["properties"]) == set(struct.__struct_fields__)
     # the same document the fuzzing below is generated from
     assert doc == openapi_document(TITLE, doc["info"]["version"])
@@ -116,6 +135,12 @@ def test_error_body_check_can_fail() -> None:
     assert error_body_problems({"error": {**ok["error"], "message": ""}})
     assert error_body_problems({"error": {"message": "m", "type": "t"}})  # keys missing
     assert error_body_problems({**ok, "extra": 1})
+    anthropic = {"type": "error", "error": {"type": "invalid_request_error", "message": "m"}}
+    assert anthropic_error_body_problems(anthropic) == []
+    assert anthropic_error_body_problems(ok)
+    assert anthropic_error_body_problems({**anthropic, "type": "message"})
+    assert anthropic_error_body_problems({**anthropic, "error": {"type": "t", "message": ""}})
+    assert error_body_problems(anthropic)
 
 
 @schema.parametrize()

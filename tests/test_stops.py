@@ -106,3 +106,16 @@ def test_every_split_point_without_a_stop_loses_nothing(cut: int) -> None:
     out, hit = feed_all(m, [text[:cut], text[cut:]])
     assert not hit
     assert "".join(out) + m.flush() == text
+
+
+def test_the_matcher_names_the_stop_string_that_ended_the_text() -> None:
+    """The earliest stop in the text, whichever order they were given in (Anthropic's
+    `stop_sequence` reports it); none until one is hit."""
+    m = StopMatcher(("END", "NE", "xyz"))
+    assert m.feed("a N") == ("a ", False)
+    assert m.hit is None
+    assert m.feed("END") == ("", True)
+    assert m.hit == "NE"  # "NEND": NE starts first
+    m = StopMatcher(("xyz", "END"))
+    assert feed_all(m, ["ab", "cE", "N", "D!"]) == (["ab", "c", "", ""], True)
+    assert m.hit == "END"
