@@ -36,7 +36,7 @@ USER = {"role": "user", "content": "hi"}
 def _state(tool_format: str | None = "hermes") -> Any:
     return SimpleNamespace(
         aliases=frozenset({"m"}), model_name="m", tool_format=tool_format,
-        settings=SimpleNamespace(limits=RequestLimits()),
+        settings=SimpleNamespace(limits=RequestLimits(), accept_any_model=False),
     )  # fmt: skip
 
 
