@@ -1,7 +1,7 @@
 """The one internal request every API route decodes into (api.pipeline prepares it).
 
-A route speaks its API (OpenAI's chat and completions today; Anthropic's Messages and
-OpenAI's Responses are meant to come the same way): it reads its body, refuses what its
+A route speaks its API (OpenAI's chat, completions and Responses; Anthropic's
+Messages): it reads its body, refuses what its
 API asks and the server does not serve, and fills one `GenerationRequest`. From there on
 nothing knows which API asked. So the fields say what is to be generated, not how a body
 spelled it: messages or a prompt, the instructions apart from the messages, tools and an
