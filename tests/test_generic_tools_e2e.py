@@ -5,7 +5,8 @@ Completions with the official `openai` client in strict response validation.
 A forced call (`required`, a named function) is held to the envelope's grammar, so its
 arguments always validate against the function's schema; `auto` lets the model answer
 with a call or with text, and either comes back as OpenAI's fields — never the envelope's
-JSON as text."""
+JSON as text. The same forced calls through Anthropic's Messages and OpenAI's Responses
+APIs, at the end."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
+from anthropic import Anthropic
 from openai import OpenAI
 
 from bench.server_proc import Server
@@ -176,3 +178,54 @@ def test_tool_choice_none_and_a_format_beside_the_envelope(server: Server) -> No
     assert none.usage and auto.usage and none.usage.prompt_tokens < auto.usage.prompt_tokens
     assert none.choices[0].message.tool_calls is None
     assert e.value.body["param"] == "tool_choice"  # type: ignore[index]
+
+
+# ---- the same forced calls through the agents' APIs ------------------------------------
+ANTHROPIC_TOOLS: Any = [
+    {"name": t["function"]["name"], "description": t["function"]["description"],
+     "input_schema": t["function"]["parameters"]}
+    for t in TOOLS
+]  # fmt: skip
+RESPONSES_TOOLS: Any = [{"type": "function", **t["function"]} for t in TOOLS]
+
+
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}],
+                         ids=["any", "named"])  # fmt: skip
+def test_a_forced_call_through_anthropic_messages_has_valid_input(
+    server: Server, choice: Any
+) -> None:
+    """Anthropic's Messages API on the embedded model (no call format of its own): `any`
+    and a named tool come back as `tool_use` blocks whose `input` validates against the
+    tool's `input_schema`, with `stop_reason` `tool_use`."""
+    with Anthropic(base_url=server.url, api_key="none", max_retries=0,
+                   _strict_response_validation=True) as c:  # fmt: skip
+        got = c.messages.create(
+            model=MODEL, max_tokens=200, messages=ASK, tools=ANTHROPIC_TOOLS,
+            tool_choice={**choice, "disable_parallel_tool_use": True},
+            extra_body={"temperature": 0, "cache_prompt": False},
+        )  # fmt: skip
+    uses = [b for b in got.content if b.type == "tool_use"]
+    assert got.stop_reason == "tool_use" and len(uses) == 1
+    jsonschema.validate(uses[0].input, SCHEMAS[uses[0].name])
+    assert uses[0].name == "get_weather" or choice["type"] == "any"
+    assert uses[0].id.startswith("toolu_")
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "get_weather"}],
+                         ids=["required", "named"])  # fmt: skip
+def test_a_forced_call_through_the_responses_api_has_valid_arguments(
+    server: Server, choice: Any
+) -> None:
+    """OpenAI's Responses API on the embedded model: `required` and a named function come
+    back as `function_call` items whose arguments validate against the function's
+    `parameters`."""
+    with _client(server) as c:
+        got = c.responses.create(
+            model=MODEL, input=ASK[0]["content"], tools=RESPONSES_TOOLS, tool_choice=choice,
+            parallel_tool_calls=False, max_output_tokens=200, temperature=0,
+            extra_body={"cache_prompt": False},
+        )  # fmt: skip
+    calls = [item for item in got.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].call_id
+    jsonschema.validate(json.loads(calls[0].arguments), SCHEMAS[calls[0].name])
+    assert calls[0].name == "get_weather" or choice == "required"
