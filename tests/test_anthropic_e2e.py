@@ -289,7 +289,7 @@ def test_malformed_bodies_get_anthropic_400s(server: Server) -> None:
         ({"max_tokens": 4, "messages": [user], "temperature": 1.5}, "temperature"),
         ({"max_tokens": 4, "messages": [user], "stop_sequences": [""]}, "stop_sequences[0]"),
         ({"max_tokens": 4, "messages": [user], "tools": [
-            {"name": "f", "input_schema": {"type": "object"}}]}, "tools: "),
+            {"name": "bad name!", "input_schema": {"type": "object"}}]}, "tools[0].name"),
         ({"max_tokens": 4, "messages": [user], "thinking": {"type": "sometimes"}}, "thinking"),
     ]  # fmt: skip
     for body, where in cases:
