@@ -15,7 +15,8 @@
 #   typical, 1/8/32 sequences: the native decode-and-sample step), deploy-run (deploy/run.sh end
 #   to end: dry run, serve, a request), stall24 (both stalls, ours at 250 ms), multiturn-cpumoe
 #   (the chat with experts in RAM, our default target), issue32 (the experts-in-RAM stall,
-#   multiturn all-GPU and experts in RAM, each bounded), ubatch-ab (experts in RAM: physical
+#   multiturn all-GPU and experts in RAM, each bounded), typical (the sampled throughput
+#   rows), ubatch-ab (experts in RAM: physical
 #   batches of 512 and 2048 rows), cache-cuda and cache-curve (the routed-expert cache on
 #   the GPU: its tests, then bench.routing_curve; with .gpu-pre/ from
 #   bench/gpu_crossbuild.sh nothing is built here). At the end every result file is concatenated into
@@ -166,6 +167,10 @@ for s in "${steps[@]}"; do
       run multiturn-cpumoe timeout 560 python3 -m bench.multiturn --gpu --cpu-moe \
         --peer-bin "$PEER_BIN" --model "$MODEL" --n-ctx 139264 --peer-args "--cache-ram 0" \
         --scenario-timeout 180 --json "$R/multiturn-cpumoe.json" ;;
+    typical)  # issue 34: the sampled rows, both servers given the same sampling values
+      run compare-typical timeout 420 python3 -m bench.compare --gpu --peer-bin "$PEER_BIN" \
+        --model "$MODEL" --sampling typical --concurrency 1 4 8 16 32 --isl 128 --osl 128 \
+        --waves 2 --lockstep-waves 2 --repeats 1 ;;
     multiturn-cpumoe)  # issue 20 with the default stall target: experts in RAM, chat only
       run multiturn-cpumoe python3 -m bench.multiturn --gpu --cpu-moe --peer-bin "$PEER_BIN" \
         --model "$MODEL" --n-ctx 139264 --peer-args "--cache-ram 0" --scenario chat \
