@@ -39,6 +39,7 @@ from api.anthropic_wire import (
     MessageStart,
     MessageStop,
     MessageUsage,
+    Ping,
     SignatureDelta,
     StopReason,
     TextContent,
@@ -89,6 +90,7 @@ class MessagesCodec:
     async def frames(self, gen: Generation) -> AsyncIterator[bytes]:
         n_prompt = len(gen.prompts[0].ids)
         yield event(MessageStart(self._message(gen, [], None, None, MessageUsage(n_prompt, 0))))
+        yield event(Ping())  # (as Anthropic's API sends one: clients expect and skip it)
         blocks = _BlockStream(self._shown)
         async for d in gen.events():
             if (err := ended_badly(d.finish_reason)) is not None:

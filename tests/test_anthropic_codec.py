@@ -290,6 +290,7 @@ def test_a_stream_opens_and_closes_each_block_in_order() -> None:
              for t, e in events]  # fmt: skip
     assert shape == [
         ("message_start", None, None),
+        ("ping", None, None),
         ("content_block_start", 0, "thinking"),
         ("content_block_delta", 0, "thinking_delta"),
         ("content_block_delta", 0, "thinking_delta"),
@@ -334,7 +335,7 @@ def test_hidden_thinking_takes_no_index() -> None:
     pieces = [_piece([Reasoning(0, "hm")]), _piece([Text(1, "Hi")], "stop", out=3)]
     for codec in (_codec(), _codec(thinking={"type": "disabled"})):
         events = _events(codec, pieces)
-        assert [(t, e.get("index")) for t, e in events][1:4] == [
+        assert [(t, e.get("index")) for t, e in events][2:5] == [
             ("content_block_start", 0), ("content_block_delta", 0), ("content_block_stop", 0)
         ]  # fmt: skip
         assert "thinking" not in json.dumps([e for _, e in events])
@@ -387,7 +388,7 @@ def test_a_generation_that_fails_ends_the_stream_with_an_error_event() -> None:
     pieces = [_piece([Text(0, "Hi")]), _piece([], "error", out=2)]
     events = _events(_codec(), pieces)
     assert [t for t, _ in events] == [
-        "message_start", "content_block_start", "content_block_delta", "error"
+        "message_start", "ping", "content_block_start", "content_block_delta", "error"
     ]  # fmt: skip
     assert events[-1][1]["error"]["type"] == "api_error"
     events = _events(_codec(), [_piece([], "shutdown")])
