@@ -506,7 +506,8 @@ def test_thinking_comes_as_thinking_blocks(thinker: Server) -> None:
     events = sse(thinker, {"model": "thinker", "max_tokens": 24, "messages": HELLO,
                            "thinking": THINK, **REPRO})  # fmt: skip
     assert order_problems(events) == []
-    assert events[1][1]["content_block"]["type"] == "thinking"
+    blocks = [d["content_block"]["type"] for n, d in events if n == "content_block_start"]
+    assert blocks[0] == "thinking"
 
 
 def test_thinking_in_the_history_is_accepted_and_not_rendered(thinker: Server) -> None:
