@@ -15,7 +15,7 @@
 #   typical, 1/8/32 sequences: the native decode-and-sample step), deploy-run (deploy/run.sh end
 #   to end: dry run, serve, a request), stall24 (both stalls, ours at 250 ms), multiturn-cpumoe
 #   (the chat with experts in RAM, our default target), issue32 (the experts-in-RAM stall,
-#   multiturn all-GPU and experts in RAM, each bounded), typical (the sampled throughput
+#   multiturn all-GPU and experts in RAM, each bounded), side (bench.side_prefill), typical (the sampled throughput
 #   rows), ubatch-ab (experts in RAM: physical
 #   batches of 512 and 2048 rows), cache-cuda and cache-curve (the routed-expert cache on
 #   the GPU: its tests, then bench.routing_curve; with .gpu-pre/ from
@@ -167,6 +167,12 @@ for s in "${steps[@]}"; do
       run multiturn-cpumoe timeout 560 python3 -m bench.multiturn --gpu --cpu-moe \
         --peer-bin "$PEER_BIN" --model "$MODEL" --n-ctx 139264 --peer-args "--cache-ram 0" \
         --scenario-timeout 180 --json "$R/multiturn-cpumoe.json" ;;
+    side)  # issue 32: a second context prefills the 16K prompt beside the decoders (engine
+      # alone), experts in RAM, then all on the GPU
+      run side-cpumoe timeout 300 python3 -m bench.side_prefill --model "$MODEL" --cpu-moe \
+        --prompt-tokens 16384
+      run side-gpu timeout 200 python3 -m bench.side_prefill --model "$MODEL" \
+        --prompt-tokens 16384 ;;
     typical)  # issue 34: the sampled rows, both servers given the same sampling values
       run compare-typical timeout 420 python3 -m bench.compare --gpu --peer-bin "$PEER_BIN" \
         --model "$MODEL" --sampling typical --concurrency 1 4 8 16 32 --isl 128 --osl 128 \
