@@ -304,6 +304,33 @@ def _queried_metrics() -> dict[str, set[str]]:
     return out
 
 
+def test_the_autoscalers_queries_are_promql(tmp_path: Path) -> None:
+    """promtool parses each query (the adapter's with its template filled as the adapter
+    fills it); Debian's prometheus package brings promtool (`make test` installs it)."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool: Debian's prometheus package is not installed")
+    keda = one(render("overlays/example-keda"), "ScaledObject", "one-gpu")
+    exprs = [keda["spec"]["triggers"][0]["metadata"]["query"]]
+    for rule in yaml.safe_load(ADAPTER_VALUES.read_text())["rules"]["custom"]:
+        series = rule["name"]["as"]
+        exprs.append(rule["seriesQuery"])
+        exprs.append(
+            rule["metricsQuery"]
+            .replace("<<.Series>>", series)
+            .replace("<<.LabelMatchers>>", 'namespace="one-gpu",pod=~"one-gpu-0|one-gpu-1"')
+            .replace("<<.GroupBy>>", "pod")
+        )
+    rules = {"groups": [{"name": "k8s", "rules": [
+        {"record": f"k8s:query{i}", "expr": e} for i, e in enumerate(exprs)
+    ]}]}  # fmt: skip
+    path = tmp_path / "queries.yml"
+    path.write_text(yaml.safe_dump(rules))
+    out = subprocess.run([promtool, "check", "rules", str(path)],
+                         capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
 @pytest.mark.e2e
 def test_every_metric_the_autoscalers_read_is_served(server: Server) -> None:
     queried = _queried_metrics()
