@@ -1,6 +1,6 @@
 """`one-gpu serve|plan|experts …`: parse options; serve plans the placement, builds the
 app and runs uvicorn; plan prints (or saves) a placement; experts reads a server's
-router telemetry."""
+router telemetry. `run` and `download` are deploy's (their own options)."""
 
 from __future__ import annotations
 
@@ -172,6 +172,10 @@ def _parser() -> argparse.ArgumentParser:
         help="plan, bind to the GPU's NUMA node and serve on 0.0.0.0:8090 (deploy/run.sh; "
         "`one-gpu run --help`)",
     )  # fmt: skip
+    sub.add_parser(
+        "download", add_help=False,
+        help="fetch a hub model into the cache, check it and exit (`one-gpu download --help`)",
+    )  # fmt: skip
     pl = sub.add_parser("plan", help="decide which tensors live on the GPU and which in RAM")
     pl.add_argument("model", help="GGUF file")
     _plan_options(pl)
@@ -330,6 +334,10 @@ def main(argv: list[str] | None = None) -> None:
         from deploy.run import main as run
 
         sys.exit(run(argv[1:]))
+    if argv[:1] == ["download"]:
+        from deploy.download import main as download
+
+        sys.exit(download(argv[1:]))
     args = _parser().parse_args(argv)
     if args.command == "plan":
         sys.exit(_plan(args))

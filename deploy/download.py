@@ -1,5 +1,7 @@
 """A GGUF from the Hugging Face hub (or any server speaking its file API, HF_ENDPOINT),
-for `one-gpu run --hf-repo REPO --hf-file FILE`.
+for `one-gpu run --hf-repo REPO --hf-file FILE`, and `one-gpu download` (the same fetch,
+then exit: a Kubernetes init container fills the model volume with it before the server
+starts, so the server's start does not count the transfer against its startup probe).
 
 Through `huggingface_hub`, into its cache (HF_HUB_CACHE, ~/.cache/huggingface/hub by
 default; `--hf-cache` names another), so a file fetched by other tools is not fetched
@@ -13,10 +15,13 @@ it; one that is not is a clear error, not a stack trace.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import re
 import shutil
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -144,3 +149,34 @@ def endpoint() -> str:
 def _why(e: Exception) -> str:
     text = str(e).strip().splitlines()
     return text[0] if text else type(e).__name__
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="one-gpu download",
+        description="fetch a GGUF (a split one whole) into the hub cache, check it, print "
+        "the path of its first part and exit; `one-gpu run` with the same --hf-* options "
+        "then serves it from the cache, offline too",
+    )
+    p.add_argument("--hf-repo", required=True, help="hub repository (HF_ENDPOINT)")
+    p.add_argument("--hf-file", required=True, help="the GGUF in it (a split model: any part)")
+    p.add_argument("--hf-revision", help="branch, tag or commit (default: main)")
+    p.add_argument(
+        "--hf-cache", type=Path,
+        help="where models are kept (default: HF_HUB_CACHE, ~/.cache/huggingface/hub)",
+    )  # fmt: skip
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    """`one-gpu download`: 0 with the model in the cache (fetched now or before), 2 with
+    the reason it is not."""
+    args = parser().parse_args(argv)
+    src = Source(args.hf_repo, args.hf_file, args.hf_revision, args.hf_cache)
+    try:
+        path = fetch(src)
+    except DownloadError as e:
+        sys.stderr.write(f"one-gpu download: {e}\n")
+        return 2
+    sys.stdout.write(f"{path}\n")
+    return 0

@@ -157,3 +157,40 @@ def test_run_fetches_a_split_model_and_serves_it(hub: Hub, tmp_path: Path) -> No
     answers_then_stops(srv, 2)
     assert hub.gets(FIRST) == [None] and hub.gets(SECOND) == [None]
     assert "binding: none (no NVIDIA GPU on this host)" in srv.log()
+
+
+def _download(*args: str, endpoint: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HF_ENDPOINT": endpoint}
+    return subprocess.run(
+        [sys.executable, "-m", "api.cli", "download", *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+
+
+def test_the_download_command_fetches_checks_and_exits(
+    hub: Hub, parts: dict[str, bytes], tmp_path: Path
+) -> None:
+    """`one-gpu download` (a Kubernetes init container's command): the whole split model
+    into the cache, its first part's path on stdout, exit 0; run again offline, the cache
+    answers; a model neither there nor reachable is exit 2 and one line that says so."""
+    cache = tmp_path / "models"
+    opts = ("--hf-repo", REPO, "--hf-file", SECOND, "--hf-cache", str(cache))
+    got = _download(*opts, endpoint=hub.url)
+    assert got.returncode == 0, got.stderr
+    first = Path(got.stdout.strip())
+    assert first.name == FIRST and first.read_bytes() == parts[FIRST]
+    assert (first.parent / SECOND).read_bytes() == parts[SECOND]
+    again = _download(*opts, endpoint="http://127.0.0.1:9")  # nothing listens there
+    assert again.returncode == 0 and again.stdout == got.stdout, again.stderr
+    bad = _download("--hf-repo", REPO, "--hf-file", "other.gguf", "--hf-cache", str(cache),
+                    endpoint="http://127.0.0.1:9")  # fmt: skip
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.startswith(f"one-gpu download: cannot fetch {REPO}/other.gguf from ")
+
+
+def test_a_checksum_mismatch_fails_the_download_command(hub: Hub, tmp_path: Path) -> None:
+    hub.corrupt.add(FIRST)
+    got = _download("--hf-repo", REPO, "--hf-file", FIRST, "--hf-cache", str(tmp_path / "m"),
+                    endpoint=hub.url)  # fmt: skip
+    assert got.returncode == 2
+    assert f"one-gpu download: {REPO}/{FIRST}: checksum mismatch" in got.stderr
