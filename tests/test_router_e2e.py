@@ -28,7 +28,6 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.multiturn import text
 from bench.router_proc import start_router
-from bench.server_proc import Server, start_process, start_server
+from bench.server_proc import Server, start_many, start_process, start_server
 from tests.conftest import MODEL
 
 pytestmark = pytest.mark.e2e
@@ -65,19 +64,6 @@ class Pool:
     logs: Path
 
 
-def _start_all(starts: list[Callable[[], Server]]) -> list[Server]:
-    """Start servers at once (each waits for its /health); a failed start stops the others."""
-    with ThreadPoolExecutor(len(starts)) as pool:
-        futures = [pool.submit(start) for start in starts]
-    servers = [f.result() for f in futures if f.exception() is None]
-    failed = [f.exception() for f in futures if f.exception() is not None]
-    if failed:
-        for srv in servers:
-            srv.stop()
-        raise failed[0]  # type: ignore[misc]
-    return servers
-
-
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
     logs = tmp_path_factory.mktemp("router")
@@ -85,7 +71,7 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
         (lambda i=i: start_server(REPLICA_ARGS, logs / f"replica-{i}.log"))
         for i in range(REPLICAS + 1)
     ]
-    *replicas, single = _start_all(starts)
+    *replicas, single = start_many(starts)
     urls = [r.url for r in replicas]
     routers: list[Server] = []
     try:
