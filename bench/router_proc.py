@@ -64,7 +64,8 @@ def start_router(
     worker_urls: Sequence[str], log_path: Path, policy: str = "cache_aware",
     extra: Sequence[str] = (), ready_timeout_s: float = 120.0,
 ) -> Server:  # fmt: skip
-    """Start the router and wait until its /health answers 200 (it has a healthy replica)."""
+    """Start the router and wait until its /readiness answers 200 (a replica is healthy;
+    its /health is 503 while any replica is not)."""
     port = free_port()
     cmd = router_command(worker_urls, port, free_port(), policy, extra)
-    return start_process(cmd, port, log_path, ready_timeout_s)
+    return start_process(cmd, port, log_path, ready_timeout_s, ready_path="/readiness")

@@ -51,8 +51,11 @@ REPLICA_ARGS = ["--n-ctx", "8192", "--n-seq-max", "8", "--threads", "1", "--repr
 CHAT_OK = ("onegpu_http_responses_total", {"route": "/v1/chat/completions", "code": "200"})
 HITS = ("onegpu_prefix_cache_hit_tokens_total", {})
 # The conversations: each its own system prompt (no prefix shared between them, so only
-# the router's placement decides the hits), a few short turns, greedy replies.
-USERS, TURNS, SYSTEM_TOKENS, QUESTION_TOKENS, REPLY_TOKENS = 6, 3, 250, 30, 12
+# the router's placement decides the hits), a few short turns, greedy replies. Five, not
+# a multiple of the three replicas: round-robin's counter then moves by 5 a turn, and
+# conversations that send their turns in the same order each time cannot keep their
+# replica by that coincidence.
+USERS, TURNS, SYSTEM_TOKENS, QUESTION_TOKENS, REPLY_TOKENS = 5, 3, 250, 30, 12
 
 
 @dataclass
