@@ -33,6 +33,7 @@ from api.generic_tools import GENERIC, renders_system
 from api.http_status import StatusCounter
 from api.http_status import count as count_status
 from api.lanes import FAST, REPRODUCIBLE, fingerprints
+from api.liveness import livez
 from api.metrics import CONTENT_TYPE, Metrics
 from api.openai_routes import chat_completions, completions, list_models, responses
 from api.openapi import openapi_json
@@ -333,6 +334,7 @@ def build_app(settings: ServerSettings) -> Starlette:
         Route("/v1/messages", messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", messages_count_tokens, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
+        Route("/livez", livez, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/experts", experts_route, methods=["GET"]),
         Route("/experts/counts", expert_counts_route, methods=["GET"]),

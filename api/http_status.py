@@ -10,8 +10,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 ROUTES = frozenset({
     "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health",
-    "/metrics", "/experts", "/openapi.json", "/v1/messages", "/v1/messages/count_tokens",
-    "/tokenize", "/detokenize",
+    "/livez", "/metrics", "/experts", "/openapi.json", "/v1/messages",
+    "/v1/messages/count_tokens", "/tokenize", "/detokenize",
 })  # fmt: skip
 
 

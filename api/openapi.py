@@ -84,6 +84,14 @@ def _health() -> dict[str, Any]:
     }
 
 
+def _liveness() -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {"status": {"type": "string", "const": "alive"}},
+        "required": ["status"],
+    }
+
+
 def _top() -> dict[str, Any]:
     return {
         "name": "top",
@@ -250,6 +258,13 @@ def openapi_document(title: str, version: str) -> dict[str, Any]:
                 "200": _response("Serving.", {JSON: _health()}),
                 "503": _response("Not serving: draining or stopped.", {JSON: _health()}),
             },
+        ),
+        "/livez": _get(
+            "livez",
+            "Liveness: 200 while the process answers, loading and draining too (/health is "
+            "readiness)",
+            "operations",
+            responses={"200": _response("Alive.", {JSON: _liveness()})},
         ),
         "/metrics": _get(
             "metrics",

@@ -10,6 +10,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,6 +102,20 @@ def start_server(
     port = free_port()
     cmd = [sys.executable, "-m", "api.cli", "serve", "--port", str(port), *args]
     return start_process(cmd, port, log_path, ready_timeout_s, env)
+
+
+def start_many(starts: Sequence[Callable[[], Server]]) -> list[Server]:
+    """Run the `starts` at once (each waits for its server to be ready): replicas load
+    side by side. A failed start stops the servers that did start, then raises."""
+    with ThreadPoolExecutor(max(1, len(starts))) as pool:
+        futures = [pool.submit(start) for start in starts]
+    started = [f.result() for f in futures if f.exception() is None]
+    failed = [e for f in futures if (e := f.exception()) is not None]
+    if failed:
+        for srv in started:
+            srv.stop()
+        raise failed[0]
+    return started
 
 
 def served_model(path: str | None) -> Path:

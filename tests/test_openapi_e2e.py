@@ -48,6 +48,7 @@ PATHS = {
     "/v1/messages": "post",
     "/v1/messages/count_tokens": "post",
     "/health": "get",
+    "/livez": "get",
     "/metrics": "get",
     "/experts": "get",
     "/openapi.json": "get",
