@@ -169,7 +169,7 @@ for s in "${steps[@]}"; do
         --scenario-timeout 180 --json "$R/multiturn-cpumoe.json" ;;
     side)  # issue 32: a second context prefills the 16K prompt beside the decoders (engine
       # alone), experts in RAM, then all on the GPU
-      run side-cpumoe timeout 300 python3 -m bench.side_prefill --model "$MODEL" --cpu-moe \
+      run side-cpumoe timeout 300 python3 -m bench.side_prefill --model "$MODEL" --cpu-moe --ubatch 2048 \
         --prompt-tokens 16384
       run side-gpu timeout 200 python3 -m bench.side_prefill --model "$MODEL" \
         --prompt-tokens 16384 ;;

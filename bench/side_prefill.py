@@ -32,7 +32,7 @@ from engine.step_types import SamplingParams, SeqChunk, SeqStart, StepBatch
 
 GREEDY = SamplingParams(temperature=0.0)
 DECODERS = [1, 2, 3, 4]
-IN_PLACE, MOVED = 5, 6  # the prompt prefilled in the main context, and moved into it
+IN_PLACE, MOVED, SOLO = 5, 6, 7  # the prompt in the decoders' steps, moved, alone here
 
 
 def _ms(xs: list[float]) -> str:
@@ -48,11 +48,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--cpu-moe", action="store_true")
     p.add_argument("--side-threads", type=int, default=2, help="the second context's threads")
+    p.add_argument("--ubatch", type=int, default=512, help="physical batch, both contexts")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     n = args.prompt_tokens
     cfg = EngineConfig(
-        args.model, n_ctx=2 * n + 8192, n_seq_max=8, n_batch=args.chunk + 8,
+        args.model, n_ctx=3 * n + 8192, n_seq_max=8, n_ubatch=args.ubatch, n_batch=args.chunk + 8,
         cpu_tensors=(CPU_MOE,) if args.cpu_moe else (),
     )  # fmt: skip
     with Model(cfg) as model:
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         vocab = model.n_vocab
         prompt = [(7 + 31 * i) % vocab for i in range(n)]
         nxt = (7 + 31 * n) % vocab
-        starts = [SeqStart(s, GREEDY) for s in [*DECODERS, IN_PLACE, MOVED]]
+        starts = [SeqStart(s, GREEDY) for s in [*DECODERS, IN_PLACE, MOVED, SOLO]]
         res = main_engine.step(
             StepBatch([SeqChunk(s, [(100 + s) % vocab] * 16, 0, True) for s in DECODERS], starts)
         )
@@ -126,12 +127,16 @@ def main(argv: list[str] | None = None) -> None:
         print(f"move: {size / 2**20:.0f} MiB, read {1000 * get_s:.0f} ms ({got == size}), "
               f"write {1000 * put_s:.0f} ms ({put == size})")  # fmt: skip
 
+        for d in range(0, n, args.chunk):  # alone here, chunked as in the second context
+            main_engine.step(StepBatch([SeqChunk(SOLO, prompt[d : d + args.chunk], d, False)]))
+        solo = main_engine.step(StepBatch([SeqChunk(SOLO, [nxt], n, True)])).sampled[SOLO]
         a1 = main_engine.step(StepBatch([SeqChunk(IN_PLACE, [nxt], n, True)])).sampled[IN_PLACE]
-        r = main_engine.step(StepBatch([SeqChunk(IN_PLACE, [a1.token], n + 1, True),
-                                        SeqChunk(MOVED, [a1.token], n + 1, True)]))  # fmt: skip
-        a, b = r.sampled[IN_PLACE].token, r.sampled[MOVED].token
-        print(f"next token: in place {a1.token}, in the second context {own}; the one after: "
-              f"in place {a}, moved {b}: {'same' if a == b else 'DIFFERENT'}")  # fmt: skip
+        after = [SeqChunk(s, [solo.token], n + 1, True) for s in (IN_PLACE, MOVED, SOLO)]
+        r = main_engine.step(StepBatch(after)).sampled
+        a, b, c = (r[s].token for s in (IN_PLACE, MOVED, SOLO))
+        print(f"next token: in the decoders' steps {a1.token}, in the second context {own}, "
+              f"alone here {solo.token}; the one after: in the decoders' steps {a}, moved {b}, "
+              f"alone here {c}: moved and alone {'same' if b == c else 'DIFFERENT'}")  # fmt: skip
 
 
 if __name__ == "__main__":
