@@ -158,14 +158,21 @@ def parser() -> argparse.ArgumentParser:
         "the path of its first part and exit; `one-gpu run` with the same --hf-* options "
         "then serves it from the cache, offline too",
     )
-    p.add_argument("--hf-repo", required=True, help="hub repository (HF_ENDPOINT)")
-    p.add_argument("--hf-file", required=True, help="the GGUF in it (a split model: any part)")
+    add_hub_options(p, required=True)
+    return p
+
+
+def add_hub_options(p: argparse.ArgumentParser, required: bool) -> None:
+    """--hf-repo, --hf-file, --hf-revision, --hf-cache: the same for `download` and `run`,
+    so that an init container and the server it prepares name the model alike."""
+    p.add_argument("--hf-repo", required=required, help="hub repository (HF_ENDPOINT)")
+    p.add_argument("--hf-file", required=required,
+                   help="the GGUF in it (a split model: any part; all come)")  # fmt: skip
     p.add_argument("--hf-revision", help="branch, tag or commit (default: main)")
     p.add_argument(
         "--hf-cache", type=Path,
         help="where models are kept (default: HF_HUB_CACHE, ~/.cache/huggingface/hub)",
     )  # fmt: skip
-    return p
 
 
 def main(argv: Sequence[str]) -> int:

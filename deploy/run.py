@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from deploy.download import DownloadError, Source, endpoint, fetch
+from deploy.download import DownloadError, Source, add_hub_options, endpoint, fetch
 from deploy.numa import Target, candidates, choose, gpus, process_cpus, sysfs, target
 
 SERVE = [sys.executable, "-m", "api.cli", "serve"]
@@ -32,13 +32,7 @@ def parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("--gpu", type=int, help="the GPU to bind to, by nvidia-smi index (default 0)")
-    p.add_argument("--hf-repo", help="fetch the model from this hub repository (HF_ENDPOINT)")
-    p.add_argument("--hf-file", help="the GGUF in it (a split model: any part; all come)")
-    p.add_argument("--hf-revision", help="branch, tag or commit (default: main)")
-    p.add_argument(
-        "--hf-cache", type=Path,
-        help="where models are kept (default: HF_HUB_CACHE, ~/.cache/huggingface/hub)",
-    )  # fmt: skip
+    add_hub_options(p, required=False)  # or --model
     return p
 
 
