@@ -257,6 +257,7 @@ def run(args: argparse.Namespace) -> tuple[Results, Setup]:
                                     osl=args.osl,
                                     sampling=SAMPLINGS[sname],
                                     seed=seed,
+                                    osl_spread=args.osl_spread,
                                 )
                             )
                         res.add(who, sname, n, cell)
@@ -384,6 +385,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sampling", nargs="+", choices=list(SAMPLINGS), default=list(SAMPLINGS))
     p.add_argument("--isl", type=int, default=128, help="prompt tokens")
     p.add_argument("--osl", type=int, default=64, help="generated tokens per request")
+    p.add_argument("--osl-spread", type=float, default=0.0,
+                   help="each request osl x (1 +- up to this), alike for both servers")  # fmt: skip
     p.add_argument("--waves", type=int, default=3, help="requests per user per cell")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(

@@ -78,17 +78,22 @@ def _client(base_url: str) -> AsyncOpenAI:
 
 async def run_load(
     base_url: str, *, model: str, concurrency: int, requests: int, isl: int, osl: int,
-    sampling: dict[str, Any], seed: int = 1,
+    sampling: dict[str, Any], seed: int = 1, osl_spread: float = 0.0,
 ) -> Cell:  # fmt: skip
+    """`osl_spread` s: each request generates osl x (1 + s x u) tokens, u uniform in
+    [-1, 1] and the same for every server (0: all `osl`, so a closed loop's users stay in
+    step: every request of a wave starts and ends together)."""
     rng = random.Random(seed)
     prompts = [prompt(rng, isl) for _ in range(requests)]
+    lengths = [max(1, round(osl * (1 + osl_spread * rng.uniform(-1, 1)))) for _ in prompts]
     results: list[tuple[float, list[float], int, float]] = []
     async with _client(base_url) as c:
-        queue = list(reversed(prompts))
+        queue = list(reversed(list(zip(prompts, lengths, strict=True))))
 
         async def user() -> None:
             while queue:
-                results.append(await _one(c, model, queue.pop(), osl, sampling))
+                ids, n = queue.pop()
+                results.append(await _one(c, model, ids, n, sampling))
 
         t0 = time.monotonic()
         await asyncio.gather(*(user() for _ in range(concurrency)))
