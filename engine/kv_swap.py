@@ -63,6 +63,14 @@ class SwapStore:
             return 0
         return int(n)
 
+    def take(self, key: int) -> ctypes.Array[ctypes.c_uint8] | None:
+        """A saved sequence's bytes, handed over (another context's store `put`s them)."""
+        return self._saved.pop(key, None)
+
+    def put(self, key: int, buf: ctypes.Array[ctypes.c_uint8]) -> None:
+        """Bytes another context of the same model saved (`take`), restored like our own."""
+        self._saved[key] = buf
+
     def drop(self, key: int) -> None:
         self._saved.pop(key, None)
 

@@ -258,6 +258,10 @@ class Engine:
             mask_wait_s=times.mask_wait_s, masks=masks, mask_s=mask_s,
         )  # fmt: skip
 
+    def llama_seq(self, seq_id: int) -> int:
+        """The llama.cpp sequence id a scheduler sequence id runs as."""
+        return self._llama_id.get(seq_id, seq_id)
+
     def seq_pos_max(self, seq_id: int) -> int:
         """Largest KV position of a scheduler sequence id; -1 when it holds none."""
         return self.context.seq_pos_max(self._llama_id.get(seq_id, seq_id))
