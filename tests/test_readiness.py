@@ -28,7 +28,7 @@ from tests.tiny_gguf import Shape, write_hollow_llama, write_llama
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_health_says_loading_until_the_model_serves(
+def test_health_says_loading_until_the_model_serves_and_livez_stays_200(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     model = write_llama(tmp_path / "tiny.gguf", seed=2)
@@ -48,6 +48,8 @@ def test_health_says_loading_until_the_model_serves(
         health = client.get("/health")
         assert health.status_code == 503
         assert health.json() == {"status": "loading", "progress": 0.0}
+        live = client.get("/livez")  # liveness: a loading server is not restarted
+        assert (live.status_code, live.json()) == (200, {"status": "alive"})
         early = client.post("/v1/completions", json={"model": "tiny", "prompt": "a"})
         assert early.status_code == 503
         assert "loading" in early.json()["error"]["message"]
@@ -64,6 +66,11 @@ def test_health_says_loading_until_the_model_serves(
         )
         assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 2
         assert "onegpu_loading 0.0" in client.get("/metrics").text
+        assert client.get("/livez").status_code == 200  # serving
+        client.app.state.server.draining = True  # type: ignore[attr-defined]  # SIGTERM's
+        assert client.get("/health").status_code == 503
+        assert client.get("/livez").status_code == 200  # draining: not a restart either
+        assert 'route="/livez"' in client.get("/metrics").text  # a route label of its own
     # the log followed the load, a line a tenth of the weights
     lines = [r.getMessage() for r in caplog.records if r.name == "engine.load_progress"]
     assert lines[-1].startswith("loading the weights: 100% in ") and "GiB/s" in lines[-1]
