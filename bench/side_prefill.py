@@ -115,14 +115,14 @@ def main(argv: list[str] | None = None) -> None:
               f"its steps {_ms(side_steps)}; prompt {side_s:.1f} s")  # fmt: skip
 
         own = side.step(StepBatch([SeqChunk(0, [nxt], n, True)])).sampled[0].token
-        src, dst = side._llama_id[0], main_engine._llama_id[MOVED]  # the engines' own ids
+        src, dst = side.llama_seq(0), main_engine.llama_seq(MOVED)
         size = ll.llama_state_seq_get_size_ext(side_ctx.ctx, src, 0)
         buf = (ctypes.c_uint8 * size)()
         t = time.perf_counter()
         got = ll.llama_state_seq_get_data_ext(side_ctx.ctx, buf, size, src, 0)
         get_s = time.perf_counter() - t
         t = time.perf_counter()
-        put = ll.llama_state_seq_set_data_ext(main_engine._ctx, buf, size, dst, 0)
+        put = ll.llama_state_seq_set_data_ext(main_engine.context.ctx, buf, size, dst, 0)
         put_s = time.perf_counter() - t
         print(f"move: {size / 2**20:.0f} MiB, read {1000 * get_s:.0f} ms ({got == size}), "
               f"write {1000 * put_s:.0f} ms ({put == size})")  # fmt: skip
