@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from api.generic_tools import GENERIC
 from api.tool_calls import FORMATS as TOOL_FORMATS
-from engine.config import DEFAULT_PROMPT_LOGPROB_ROWS, EngineConfig
+from engine.config import DEFAULT_PROMPT_LOGPROB_ROWS, SIDE_AUTO, EngineConfig
 from engine.model import KV_PAD_CELLS
 from engine.placement import CPU_MOE
 from engine.plan import AUTO
@@ -108,6 +108,12 @@ def _parser() -> argparse.ArgumentParser:
         "--swap-space", type=_size, default=4 * 2**30, metavar="SIZE",
         help="host RAM for preempted requests' KV (saved, restored on resume, where cheaper "
         "than recomputing it; 0 = always recompute)",
+    )  # fmt: skip
+    s.add_argument(
+        "--side-prefill-ctx", type=_side_ctx, default=SIDE_AUTO, metavar="N|auto",
+        help="a second context of N tokens prefills long prompts beside the decoders where "
+        "no step carrying them keeps --max-stall-ms (0 = none; auto: up to 32768 where a "
+        "GPU computes prompts with routed experts in host RAM)",
     )  # fmt: skip
     s.add_argument(
         "--cache-seqs", type=int, default=DEFAULT_CACHE_SEQS,
@@ -417,6 +423,14 @@ def _serve(args: argparse.Namespace) -> None:
     serve(build_app(settings), settings, args.host, args.port, args.log_level)
 
 
+def _side_ctx(v: str) -> int:
+    if v == "auto":
+        return SIDE_AUTO
+    if not v.isdigit():
+        raise argparse.ArgumentTypeError(f"{v} is not a number of tokens or auto")
+    return int(v)
+
+
 def _non_negative(v: str) -> float:
     x = float(v)
     if not x >= 0:  # (NaN too)
@@ -461,6 +475,7 @@ def serve_settings(args: argparse.Namespace) -> ServerSettings:
         expert_cache_fill=None if counts is None else str(counts),
         expert_cache_uploads=args.expert_cache_uploads,
         use_mmap=not args.no_mmap,
+        side_prefill_ctx=args.side_prefill_ctx,
     )
     lanes = LaneOptions(
         cpu_numerics=args.cpu_numerics,

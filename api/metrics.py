@@ -60,6 +60,12 @@ class Metrics:
             "Prompt tokens computed (not read from the prefix cache; recomputation included)",
             registry=r,
         )
+        self.side_prefill_tokens = Counter(
+            "onegpu_side_prefill_tokens",
+            "Of the prompt tokens computed, those a second context prefilled beside the "
+            "decoders' steps (--side-prefill-ctx), counted when their KV came back",
+            registry=r,
+        )  # fmt: skip
         self.kv_cached = lane_gauge(
             "onegpu_kv_cache_cached_cells",
             "Of the used KV cells, those of the prefix cache (counted once, however many "
@@ -279,6 +285,9 @@ class Metrics:
         self.kv_cached.labels(lane=lane).set(s.kv_cached)
         if s.num_step_prompt_tokens:
             self.prefill_tokens.inc(s.num_step_prompt_tokens)
+        if s.aside_prompt_tokens:
+            self.prefill_tokens.inc(s.aside_prompt_tokens)
+            self.side_prefill_tokens.inc(s.aside_prompt_tokens)
         if s.prefix_query_tokens:
             self.prefix_query.inc(s.prefix_query_tokens)
             self.prefix_hit.inc(s.prefix_hit_tokens)

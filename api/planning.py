@@ -17,7 +17,7 @@ from pathlib import Path
 import msgspec
 
 from engine._capi import llama
-from engine.config import EngineConfig
+from engine.config import SIDE_AUTO, EngineConfig
 from engine.devices import available_ram, gpu_memory
 from engine.gguf_meta import ModelMeta, read_meta
 from engine.plan import (
@@ -36,6 +36,10 @@ from engine.plan import (
 )
 
 log = logging.getLogger(__name__)
+
+# The side context's size where the placement asks for one and no size was given: prompts
+# up to this long are prefilled beside the decoders; longer ones in chunks in their steps
+SIDE_AUTO_TOKENS = 32768
 
 
 class PlanRefused(Exception):
@@ -103,37 +107,45 @@ def plan_for_serve(
     No plan when the operator placed tensors by hand (`--cpu-experts`/`--cpu-moe`), or when
     there is no GPU and no budget was given (everything is in host RAM anyway).
     `wide_batches` (no --n-ubatch given): on a GPU, with experts in host RAM, the physical
-    batch is the step's (`plan_wide` says why).
+    batch is the step's (`plan_wide` says why). The side context (`side_context`) is
+    sized here too: its KV and buffers are VRAM the plan reserves.
     """
     on_gpu = cfg.n_gpu_layers != 0 and bool(llama().llama_supports_gpu_offload())
     wide = wide_batches and on_gpu and cfg.n_batch > cfg.n_ubatch
     if plan_file is None and cfg.cpu_tensors:
         log.info("tensor placement by hand (%s): not planning", " | ".join(cfg.cpu_tensors))
-        if wide and _any_expert(read_meta(cfg.model_path), cfg.cpu_tensors):
+        experts = _any_expert(read_meta(cfg.model_path), cfg.cpu_tensors)
+        if wide and experts:
             cfg = _wide(cfg)
-        return cfg, None
+        return side_context(cfg, on_gpu and experts), None
     meta = read_meta(cfg.model_path)
     if 0 < cfg.n_gpu_layers <= meta.n_layer:
         log.info(
             "--n-gpu-layers %d keeps layers on the CPU by hand: not planning", cfg.n_gpu_layers
         )
-        return cfg, None
+        return side_context(cfg, False), None
     if plan_file is not None:
         plan = plan_from_json(plan_file.read_bytes())
         _check_saved(plan, meta, plan_file, cfg.model_path, req)
         if wide and experts_in_ram(plan) and plan.options.n_ubatch >= cfg.n_batch:
             cfg = _wide(cfg)  # (a plan saved with wide batches reserved their buffers)
+        cfg = side_context(cfg, False)  # (its reserves are the saved plan's: none)
     else:
         if not on_gpu and req.options.cache_slots == AUTO:
             # a bank in host RAM caches host RAM: auto means a cache only on a GPU
             req = replace(req, options=msgspec.structs.replace(req.options, cache_slots=0))
         if not on_gpu and req.vram_budget is None:
             log.info("no GPU: every tensor in host RAM, nothing to plan")
-            return cfg, None
+            return side_context(cfg, False), None
         try:
             plan = plan_wide(meta, req, cfg.n_batch) if wide else plan_model(meta, req)
         except PlanDoesNotFit as e:
             raise PlanRefused(str(e)) from e
+        cfg = side_context(cfg, experts_in_ram(plan))
+        if cfg.side_prefill_ctx:
+            plan = _with_side(meta, req, plan, cfg, wide)
+            if plan.options.contexts == req.options.contexts:
+                cfg = replace(cfg, side_prefill_ctx=0)
         if plan.options.n_ubatch != req.options.n_ubatch:
             cfg = _wide(cfg)
     if plan.split is not None:
@@ -142,6 +154,35 @@ def plan_for_serve(
                  plan.split.slots, len(plan.split.cached))  # fmt: skip
     log.info("placement plan: %d tensors in host RAM", sum(t.device == "ram" for t in plan.tensors))
     return replace(cfg, cpu_tensors=cpu_patterns(plan)), plan
+
+
+def side_context(cfg: EngineConfig, experts_in_ram_on_gpu: bool) -> EngineConfig:
+    """`cfg` with the side context's size decided: as given, or under SIDE_AUTO one of up
+    to SIDE_AUTO_TOKENS where a GPU computes prompts with routed experts in host RAM
+    (every prompt batch copies them: no chunk keeps a decoder's pause short, a context
+    beside the steps does, engine.side_prefill); elsewhere none."""
+    n = cfg.side_prefill_ctx
+    if n == SIDE_AUTO:
+        n = min(cfg.n_ctx, SIDE_AUTO_TOKENS) if experts_in_ram_on_gpu else 0
+    if n > 0:
+        log.info("side context: prompts up to %d tokens prefilled beside the decoders", n)
+    return replace(cfg, side_prefill_ctx=max(0, n))
+
+
+def _with_side(
+    meta: ModelMeta, req: PlanRequest, plan: Plan, cfg: EngineConfig, wide: bool
+) -> Plan:
+    """The plan again with the side context's KV and compute buffers reserved (one more
+    context); the plan without it where that does not fit (no side context then)."""
+    opts = req.options
+    side = replace(req, options=msgspec.structs.replace(
+        opts, kv_tokens=opts.kv_tokens + cfg.side_prefill_ctx, contexts=opts.contexts + 1,
+    ))  # fmt: skip
+    try:
+        return plan_wide(meta, side, cfg.n_batch) if wide else plan_model(meta, side)
+    except PlanDoesNotFit as e:
+        log.info("no side context: its KV and buffers do not fit (%s)", e)
+        return plan
 
 
 def _any_expert(meta: ModelMeta, patterns: tuple[str, ...]) -> bool:

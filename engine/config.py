@@ -16,6 +16,7 @@ def default_threads() -> int:
 
 
 DEFAULT_PROMPT_LOGPROB_ROWS = 64
+SIDE_AUTO = -1  # EngineConfig.side_prefill_ctx: decided by the placement
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +72,11 @@ class EngineConfig:
     # host RAM can be repacked for the CPU's matmul kernels (llama.cpp warns that overrides
     # to the CPU with mmap cost speed); mapped, they are shared with the page cache.
     use_mmap: bool = True
+    # A second context of this many tokens prefills long prompts beside the shared lane's
+    # steps (engine.side_prefill) where no step carrying them could keep the stall target:
+    # with routed experts in host RAM every prompt batch copies them to the GPU. 0 = none;
+    # SIDE_AUTO: `api.planning.side_context` decides (a GPU and experts in host RAM).
+    side_prefill_ctx: int = 0
 
     def threads(self) -> tuple[int, int]:
         """Decode and batch threads. By default every core, except that with tensors in host

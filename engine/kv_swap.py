@@ -15,11 +15,22 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 _FLAGS = 0  # the whole sequence state (not only the SWA part)
+
+
+@dataclass(frozen=True, slots=True)
+class SideDone:
+    """A prompt another context prefilled (engine.side_prefill): its KV bytes, for this
+    store to `put` under `key` (None: it failed, the request recomputes)."""
+
+    key: int
+    kv: ctypes.Array[ctypes.c_uint8] | None
+    tokens: int
 
 
 class SwapStore:

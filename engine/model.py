@@ -85,7 +85,7 @@ class Model:
                 n_ctx=cfg.n_ctx, n_seq_max=cfg.n_seq_max + self.n_cached_seqs,
                 unified=True,  # admission by tokens
                 device_greedy=self._device_greedy(), tap=self.tap,
-                swa_full=self.n_cached_seqs > 0 and self.n_swa > 0,
+                swa_full=self.swa_full,
             )  # fmt: skip
             self.expert_cache_layers = self._expert_cache()
         except ModelLoadError:
@@ -279,6 +279,13 @@ class Model:
         ubatch = min(self.cfg.n_ubatch, self.n_batch)
         tile = CPU_ATTENTION_TILE if self.attention_on_cpu else 0
         return ubatch, tile if tile and ubatch % tile == 0 else 0
+
+    @property
+    def swa_full(self) -> bool:
+        """Whether the main context keeps every cell of its sliding-window layers: the
+        prefix cache reads prompts at any length, and a context whose sequences move into
+        it (engine.side_prefill) must keep them too."""
+        return self.n_cached_seqs > 0 and self.n_swa > 0
 
     @property
     def attention_on_cpu(self) -> bool:

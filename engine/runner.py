@@ -13,12 +13,14 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
+from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 
 from engine.context import Context
 from engine.errors import InvalidBatch, KVCacheFull, raise_for_decode
-from engine.kv_swap import SwapStore
+from engine.kv_swap import SideDone, SwapStore
 from engine.model import Model
 from engine.native_step import NativeStep
 from engine.sampling import SamplerBank, prompt_logprobs
@@ -34,6 +36,20 @@ from engine.step_types import (
 )  # fmt: skip
 
 log = logging.getLogger(__name__)
+
+
+class SideContext(Protocol):
+    """A second context prefilling prompts beside the steps (engine.side_prefill's): the
+    longest prompt it holds is `n_ctx` - 1; `on_done` is called when one ends."""
+
+    n_ctx: int
+    on_done: Callable[[], None] | None
+
+    def submit(self, key: int, tokens: list[int]) -> None: ...
+
+    def finished(self) -> list[SideDone]: ...
+
+    def close(self) -> None: ...
 
 
 class Engine:
@@ -76,6 +92,9 @@ class Engine:
             model.grammars,
         )  # fmt: skip
         self.swap = SwapStore(ll, self._ctx)
+        # A second context prefilling long prompts beside the steps (engine.side_prefill):
+        # the step hands it `batch.side_prefill` and puts what it finished into `swap`.
+        self.side: SideContext | None = None
 
     def step(self, batch: StepBatch) -> StepResult:
         """Save swapped-out sequences, release finished ones, start new ones, restore
@@ -86,6 +105,10 @@ class Engine:
         KV could not be restored is left out of the step and named in the result.
         """
         t_start = time.perf_counter()
+        for key, tokens in batch.side_prefill:
+            if self.side is None:
+                raise InvalidBatch("a side prefill asked of an engine without a side context")
+            self.side.submit(key, tokens)
         ids = self._llama_id
         saved, lost_out = 0, []
         for seq_id, key in batch.swap_out:
@@ -124,7 +147,20 @@ class Engine:
         result.swap_out_s, result.swap_in_s = t_saved - t_start, t_swapped - t_restore
         result.swap_out_bytes, result.swap_in_bytes = saved, restored
         result.swap_out_failed, result.swap_in_failed = lost_out, lost_in
+        result.side_done = self._side_done()
         return result
+
+    def _side_done(self) -> list[tuple[int, bool]]:
+        """The side prefills that ended: their KV joins the swap store, from which the
+        step that admits their requests again restores it."""
+        if self.side is None:
+            return []
+        done = []
+        for d in self.side.finished():
+            if d.kv is not None:
+                self.swap.put(d.key, d.kv)
+            done.append((d.key, d.kv is not None))
+        return done
 
     def _apply(self, op: KVOp) -> None:
         """One change the prefix index asked for, on llama.cpp sequence ids."""
@@ -267,6 +303,8 @@ class Engine:
         return self.context.seq_pos_max(self._llama_id.get(seq_id, seq_id))
 
     def close(self) -> None:
+        if self.side is not None:
+            self.side.close()
         self.swap.clear()
         self.sampler.close()
         self.native.close()

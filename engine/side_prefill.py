@@ -21,8 +21,9 @@ import ctypes
 import logging
 import queue
 import threading
-from dataclasses import dataclass
+from collections.abc import Callable
 
+from engine.kv_swap import SideDone
 from engine.model import Model
 from engine.runner import Engine
 from engine.step_types import SamplingParams, SeqChunk, SeqStart, StepBatch
@@ -33,22 +34,15 @@ _SEQ = 0  # the side context's one sequence
 _GREEDY = SamplingParams(temperature=0.0)  # no token is sampled here: a sampler is required
 
 
-@dataclass(frozen=True, slots=True)
-class SideDone:
-    """A prompt's prefill ended: its KV bytes (None: it failed, the request recomputes)."""
-
-    key: int
-    kv: ctypes.Array[ctypes.c_uint8] | None
-    tokens: int
-
-
 class SidePrefill:
     """The second context and its thread. `submit` and `finished` are called from the
-    engine thread; the side engine is used by the worker thread only."""
+    engine thread; the side engine is used by the worker thread only. `on_done` (set by
+    whoever steps the main context) is called on the worker thread when a prefill ends:
+    an idle scheduler loop waits for that, not for a step."""
 
     def __init__(self, model: Model, n_ctx: int, threads: int = 2) -> None:
         self._ctx = model.open_context(n_ctx=n_ctx, n_seq_max=1, unified=True,
-                                       device_greedy=False)  # fmt: skip
+                                       device_greedy=False, swa_full=model.swa_full)  # fmt: skip
         model.ll.llama_set_n_threads(self._ctx.ctx, threads, threads)
         self._engine = Engine(model, self._ctx)
         self.n_ctx = self._ctx.n_ctx
@@ -56,6 +50,8 @@ class SidePrefill:
         self._done: queue.Queue[SideDone] = queue.Queue()
         self.ready = threading.Event()  # set when a prefill ends (an idle loop waits on it)
         self._pending = 0  # submitted, not yet collected by `finished`
+        self._closing = threading.Event()  # a prefill under way stops at its next batch
+        self.on_done: Callable[[], None] | None = None
         self._thread = threading.Thread(target=self._work, name="side-prefill", daemon=True)
         self._thread.start()
 
@@ -84,6 +80,7 @@ class SidePrefill:
         return out
 
     def close(self) -> None:
+        self._closing.set()
         self._jobs.put(None)
         self._thread.join()
 
@@ -99,10 +96,20 @@ class SidePrefill:
                 self._engine.step(StepBatch([], released=[_SEQ]))
             self._done.put(SideDone(key, kv, len(tokens)))
             self.ready.set()
+            if self.on_done is not None:
+                try:
+                    self.on_done()
+                except Exception:  # the next step collects it anyway
+                    log.exception("waking the scheduler for a side prefill failed")
 
     def _prefill(self, key: int, tokens: list[int]) -> ctypes.Array[ctypes.c_uint8] | None:
-        step = self._engine.n_batch
+        # batches as even as the fewest full ones allow: a short last one (under 32 rows)
+        # would compute the experts on this context's few threads
+        k = -(-len(tokens) // self._engine.n_batch)
+        step = -(-len(tokens) // k)
         for d in range(0, len(tokens), step):
+            if self._closing.is_set():
+                return None
             starts = [SeqStart(_SEQ, _GREEDY)] if d == 0 else []
             chunk = SeqChunk(_SEQ, tokens[d : d + step], d, False)
             self._engine.step(StepBatch([chunk], starts))

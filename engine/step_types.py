@@ -124,6 +124,12 @@ class StepBatch:
     # `starts` and before swap restores.
     retained: list[int] = field(default_factory=list)
     kv_ops: list[KVOp] = field(default_factory=list)
+    # Prompts (all but their last token) a second context prefills beside the steps
+    # (engine.side_prefill), by the swap key their KV comes back under: (key, tokens).
+    side_prefill: list[tuple[int, list[int]]] = field(default_factory=list)
+    # Report the side prefills that ended, though nothing else is to be done (one ended
+    # while no step ran: the scheduler's idle loop was woken for it).
+    side_poll: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -161,3 +167,6 @@ class StepResult:
     # chunks were left out of the step; they recompute too).
     swap_out_failed: list[int] = field(default_factory=list)
     swap_in_failed: list[int] = field(default_factory=list)
+    # Side prefills that ended since the last step: (swap key, whether its KV is now in
+    # the swap store, to be restored like a preempted sequence's; else it recomputes).
+    side_done: list[tuple[int, bool]] = field(default_factory=list)

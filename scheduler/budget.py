@@ -61,6 +61,8 @@ class ChunkPolicy(Protocol):
 
     def bounded(self, step: StepDraft) -> bool: ...  # is this step held to a target?
 
+    def beyond_reach(self, step: StepDraft, rest: int) -> bool: ...  # see StallTarget's
+
     def observe(self, step: StepDraft, seconds: float) -> None: ...  # the engine's time
 
     def stats(self) -> dict[str, float]: ...  # figures for /metrics
@@ -76,6 +78,9 @@ class FixedBudget:
         return n_max
 
     def bounded(self, step: StepDraft) -> bool:
+        return False
+
+    def beyond_reach(self, step: StepDraft, rest: int) -> bool:
         return False
 
     def observe(self, step: StepDraft, seconds: float) -> None:
@@ -112,6 +117,21 @@ class StallTarget:
 
     def bounded(self, step: StepDraft) -> bool:
         return step.waiting and not step.exempt
+
+    def beyond_reach(self, step: StepDraft, rest: int) -> bool:
+        """Would every step that carries any of a new `rest`-token prompt beside the
+        decoders go over the target? It would where the smallest such step — the decoders
+        and the minimum chunk (or the whole prompt, if shorter) — is modelled over it:
+        with every expert of a prompt's rows in host RAM, a step of 32 rows or more copies
+        them all to the GPU (~1 s), a smaller one computes them on the CPU (~10 ms a row).
+        No chunk size bounds that pause; a context of its own beside the steps does
+        (scheduler.core sets such a prompt aside, engine.side_prefill)."""
+        if not self.bounded(step) or not self.cost.knows_prompts or rest < 1:
+            return False
+        alone, self._memo = StepDraft(step.n_decode, step.decode_cells), {}
+        floor = self._time(alone, min(self.min_chunk, rest), 0)
+        self._memo = {}
+        return floor * math.exp(self.correction) > self.target
 
     def _residuals(self) -> list[float]:
         """Recent log(measured / modelled) beyond the correction, largest first; with the

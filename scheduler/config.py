@@ -26,3 +26,7 @@ class SchedulerConfig:
     max_cached_seqs: int = 0  # sequence ids kept for the cache, beyond max_num_seqs
     sliding_window: int = 0  # the model's attention window, if it has one (see prefix.py)
     prompt_logprob_rows: int = 64  # a scored prompt's chunk cap (the engine's rows per call)
+    # The longest prompt (tokens, less its last) a second context may prefill beside the
+    # steps where no step carrying it could stay within the stall target (0 = no side
+    # context: every prompt is chunked into the steps)
+    side_prefill_tokens: int = 0

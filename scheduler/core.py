@@ -6,7 +6,8 @@ returns each request's new tokens plus the step's stats (their text, and stop st
 are `scheduler.output`'s). Time is passed in, never read.
 
 The core decides what runs: the queues, the admission order and fair share, the chunk
-policy, prompt sharing (`scheduler.sharing`) and the choice of victims. What that means
+policy, prompt sharing (`scheduler.sharing`), the choice of victims, and which prompts a
+side context prefills beside the steps (`_wants_aside`). What that means
 for the engine's KV — cells, the prefix cache, swap space — is the KV manager's books
 (`scheduler.kv_manager`), asked in the core's words.
 """
@@ -45,7 +46,7 @@ class SchedulerOutput:
         b = self.batch
         return not (
             b.chunks or b.released or b.starts or b.swap_out or b.swap_drop or b.kv_ops
-            or b.retained
+            or b.retained or b.side_prefill or b.side_poll
         )  # fmt: skip
 
 
@@ -79,6 +80,10 @@ class Scheduler:
         self._num_preempted = 0  # since the last stats, all kinds
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # new requests whose prompt a side context is prefilling (`_wants_aside`): out of
+        # the queue until their KV comes back, then first in it as swapped-out requests
+        self.aside: dict[str, Request] = {}
+        self._side_poll = False  # a side prefill ended while no step ran (`side_woke`)
         self._by_id: dict[str, Request] = {}
         self._aborts: set[str] = set()
         self._stops: set[str] = set()  # running requests their text stopped (`stop`)
@@ -117,10 +122,20 @@ class Scheduler:
         if req is None:
             return
         if req.status is RequestStatus.WAITING:
-            self.waiting.remove(req)
+            self._dequeue(req)
             self._finish(req, RequestStatus.FINISHED_ABORTED, now, self._finished)
         else:
             self._aborts.add(req_id)
+
+    def _dequeue(self, req: Request) -> None:
+        """A waiting request leaves the queue, or the side context's hands."""
+        if self.aside.pop(req.req_id, None) is None:
+            self.waiting.remove(req)
+
+    def side_woke(self) -> None:
+        """A side prefill ended (the engine's side thread says so, under the loop's lock):
+        the next batch asks for it even if nothing else is to be done."""
+        self._side_poll = True
 
     @property
     def has_work(self) -> bool:
@@ -129,6 +144,7 @@ class Scheduler:
             or self.running
             or self._aborts
             or self._stops
+            or self.aside
             or self.kv.pending.needs_batch
         )
 
@@ -225,6 +241,14 @@ class Scheduler:
                 req, self.running, plan.chunks, cached
             ):
                 continue
+            if self._wants_aside(plan, req, cached):
+                if self.kv.num_aside:  # the side context is busy: it waits for it
+                    continue
+                if self._fits(req, 0, 1, committed) is None:
+                    return True
+                if self.kv.set_aside(req):
+                    self._set_aside(req, now)
+                    continue
             # others waiting share a stretch of this prompt: it offers that stretch first
             split = self._offer_point(req, cached, cached)
             n = self.chunks.first(plan.draft, req, cached, split, budget, len(queue) - i - 1)
@@ -237,6 +261,33 @@ class Scheduler:
             self._start(plan, req, cached, split, n, now)
             budget -= n
         return False
+
+    def _wants_aside(self, plan: _Plan, req: Request, cached: int) -> bool:
+        """A new prompt goes to the side context (engine.side_prefill) where no step that
+        carries it beside the decoders could stay within the stall target
+        (`ChunkPolicy.beyond_reach`: with every expert of its rows in host RAM). There it
+        is prefilled in full batches while the decoders' steps go on without it, and comes
+        back as a swapped-out request. Not a prompt that reads much of the prefix cache
+        (the side context has none: it would compute what is cached), nor one whose own
+        logprobs are asked for (scored in the steps), nor one longer than that context or
+        shorter than a minimum chunk (under 32 rows its experts run on the CPU's threads,
+        which the side context leaves to the decoders)."""
+        rest = req.num_prompt - 1
+        return (
+            max(1, self.cfg.min_prefill_chunk) <= rest <= self.cfg.side_prefill_tokens
+            and 4 * cached <= req.num_prompt
+            and req.num_computed == 0 and req.swap_key is None
+            and not (req.scores_prompt or req.side_failed)
+            and self.chunks.policy.beyond_reach(plan.draft, rest)
+        )  # fmt: skip
+
+    def _set_aside(self, req: Request, now: float) -> None:
+        """`req` left the queue for the side context (its swap key is held)."""
+        self.waiting.remove(req)
+        self._kv_wait.note(req, now)
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+        self.aside[req.req_id] = req
 
     def _fits(self, req: Request, cached: int, n: int, committed: int) -> int | None:
         """The cells `req` will still take (its prompt's rest and expected growth) when its
@@ -276,8 +327,9 @@ class Scheduler:
         ops = self.kv.take_ops()
         batch = StepBatch(
             [], plan.starts, ops.released, ops.swap_out, ops.swap_in, ops.swap_drop,
-            ops.retained, ops.kv_ops,
+            ops.retained, ops.kv_ops, ops.side_prefill, self._side_poll and bool(self.aside),
         )  # fmt: skip
+        self._side_poll = False
         out = SchedulerOutput(batch, num_preempted=plan.preempted)
         draft = plan.draft
         draft.chunks = []
@@ -353,7 +405,7 @@ class Scheduler:
         if req is None:
             return
         if req.status is RequestStatus.WAITING:  # preempted: nothing runs it now
-            self.waiting.remove(req)
+            self._dequeue(req)
             self._finish(req, RequestStatus.FINISHED_STOPPED, now, self._finished)
         else:
             self._stops.add(req_id)
@@ -366,7 +418,7 @@ class Scheduler:
                 if req is None or req.status.is_finished:
                     continue
                 if req.status is RequestStatus.WAITING:
-                    self.waiting.remove(req)
+                    self._dequeue(req)
                 self._finish(req, status, now, self._finished)
             ids.clear()
 
@@ -391,6 +443,10 @@ class Scheduler:
         """The one loop over a step's outputs: advance, append, finish by token."""
         for req in self.kv.swaps_ran(out.batch.swap_in, result):
             self._requeue(req)
+        for req in self.kv.aside_ran(result.side_done):  # first in line, as it left
+            del self.aside[req.req_id]
+            req.queued_time = now
+            self.waiting.appendleft(req)
         stats = self.chunks.observe(out.batch, result)
         outputs: list[RequestOutput] = []
         for req, chunk in zip(out.reqs, out.batch.chunks, strict=True):
@@ -428,7 +484,7 @@ class Scheduler:
     def _close_stats(self, stats: StepStats) -> StepStats:
         stats.finished.extend(self._finished)
         self._finished.clear()
-        stats.num_running = len(self.running)
+        stats.num_running = len(self.running) + len(self.aside)  # (aside: being prefilled)
         stats.num_waiting = len(self.waiting)
         stats.num_preempted, self._num_preempted = self._num_preempted, 0
         self.kv.report(stats, self.running)

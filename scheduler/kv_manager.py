@@ -42,11 +42,14 @@ class KVBatchOps:
     swap_drop: list[int] = field(default_factory=list)  # swap keys nobody resumes
     retained: list[int] = field(default_factory=list)  # finished seq ids kept as cache
     kv_ops: list[KVOp] = field(default_factory=list)  # the prefix cache's, in order
+    side_prefill: list[tuple[int, list[int]]] = field(default_factory=list)  # (key, tokens)
 
     @property
     def needs_batch(self) -> bool:
         """A batch must go out for these even when nothing is to be computed."""
-        return bool(self.released or self.swap_drop or self.kv_ops or self.retained)
+        return bool(
+            self.released or self.swap_drop or self.kv_ops or self.retained or self.side_prefill
+        )
 
 
 class KVManager:
@@ -60,6 +63,7 @@ class KVManager:
         self._swap = SwapSpace(cfg.swap_cells)
         self._swap_cost = SwapCost(cfg.kv_bytes_per_cell)
         self._swapped: dict[int, Request] = {}  # swap key -> its (waiting) request
+        self._aside: set[int] = set()  # swap keys a side context is prefilling into
         self.pending = KVBatchOps()  # for the next batch (read-only outside)
         self._unhold_after: list[int] = []  # holder ids released by ops not yet sent
         self._unhold_ready: list[int] = []  # ... sent: free at the next step
@@ -72,6 +76,7 @@ class KVManager:
         self._prefix_evicted = 0  # ... and cached cells evicted;
         self._recomputed = 0  # tokens preemption threw away,
         self._swapped_out = 0  # victims whose KV went to host RAM
+        self._aside_tokens = 0  # prompt tokens prefilled aside that came back
 
     # ---- what the books say ----------------------------------------------------------
     @property
@@ -277,6 +282,46 @@ class KVManager:
         del self._swapped[req.swap_key]
         req.swap_key = None
 
+    # ---- prompts prefilled aside -----------------------------------------------------
+    def set_aside(self, req: Request) -> bool:
+        """A new request's prompt, all but its last token, goes to the side context
+        (engine.side_prefill), its KV to come back under a swap key of its own: swap space
+        is held for it from now on. False when the space has no room (it runs in place)."""
+        cells = req.num_prompt - 1
+        if req.num_computed or req.swap_key is not None or not self._swap.fits(cells):
+            return False
+        key = req.swap_key = self._swap.take(cells)
+        self._swapped[key] = req
+        self._aside.add(key)
+        self.pending.side_prefill.append((key, req.prompt_ids[:cells]))
+        return True
+
+    @property
+    def num_aside(self) -> int:
+        return len(self._aside)
+
+    def aside_ran(self, done: list[tuple[int, bool]]) -> list[Request]:
+        """Side prefills ended: a request whose KV came back is now a swapped-out one with
+        its prompt computed but the last token (a step restores it, `start`); one whose
+        prefill failed recomputes. Returned, to be queued again; one that ended meanwhile
+        is not, and its bytes go."""
+        back = []
+        for key, saved in done:
+            self._aside.discard(key)
+            req = self._swapped.get(key)
+            if req is None:  # aborted while aside (`finish` gave its space back)
+                if saved:
+                    self.pending.swap_drop.append(key)
+                continue
+            if saved:
+                req.num_computed = req.num_prompt - 1
+                self._aside_tokens += req.num_computed
+            else:
+                self._unswap(req)
+                req.side_failed = True
+            back.append(req)
+        return back
+
     def engine_refused(self, batch: StepBatch, reqs: list[Request]) -> None:
         """The engine found no KV slot despite these books (its cache left as before): the
         restores ran, the chunks' cells come back, nobody new is admitted (`admits_new`)."""
@@ -293,7 +338,9 @@ class KVManager:
         if req.status is RequestStatus.RUNNING:
             self._backoff = False  # real room: the engine's refusal may not repeat
         if req.swap_key is not None:
-            if req.status is RequestStatus.WAITING:  # else its restore was already sent
+            # (a restore already sent, or a prefill aside whose bytes are still to come:
+            # nothing to drop now; `aside_ran` drops those when they come)
+            if req.status is RequestStatus.WAITING and req.swap_key not in self._aside:
                 self.pending.swap_drop.append(req.swap_key)
             self._unswap(req)
         if keep and self._prefix is not None and req.seq_id is not None and req.cache_prompt:
@@ -488,6 +535,7 @@ class KVManager:
         stats.prefix_query_tokens, self._prefix_query = self._prefix_query, 0
         stats.prefix_hit_tokens, self._prefix_hit = self._prefix_hit, 0
         stats.prefix_evicted_cells, self._prefix_evicted = self._prefix_evicted, 0
+        stats.aside_prompt_tokens, self._aside_tokens = self._aside_tokens, 0
         stats.swap_used_cells = self._swap.used
         stats.swap_capacity_cells = self._swap.capacity
 

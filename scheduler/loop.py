@@ -138,6 +138,13 @@ class EngineLoop:
         self._idle.clear()
         return queues
 
+    def side_woke(self, lane: str = FAST) -> None:
+        """A side prefill of `lane` ended (called on the side context's thread): its
+        scheduler asks for it in the next batch, and an idle engine thread wakes to send it."""
+        with self._work:
+            self.lanes[lane].scheduler.side_woke()
+            self._work.notify()
+
     def check_room(self, client: str, k: int, lane: str = FAST) -> None:
         """`QueueFull` unless `client` may queue `k` sequences now: asked before a request's
         prompt is tokenized, so a refused one costs nothing (`add_group` asks again)."""

@@ -67,6 +67,7 @@ class Request:
     num_computed: int = 0
     num_preemptions: int = 0
     swap_key: int | None = None  # its KV waits in host RAM under this key (preempted)
+    side_failed: bool = False  # a side context could not prefill its prompt: in place then
     lease: Lease | None = None  # the cached prefix it reads (prefix cache)
     shared: int = 0  # its first positions read from the cache, not its own cells
     cache_prompt: bool = True  # may read and feed the prefix cache

@@ -32,6 +32,7 @@ class StepStats:
     num_step_tokens: int = 0
     num_step_seqs: int = 0
     num_step_prompt_tokens: int = 0  # prompt-chunk tokens in this step
+    aside_prompt_tokens: int = 0  # prompt tokens a side context prefilled, back this step
     num_prompt_tokens: int = 0  # prompt tokens whose prefill completed in this step
     num_generated_tokens: int = 0
     num_preempted: int = 0  # requests preempted, all kinds

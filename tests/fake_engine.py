@@ -106,6 +106,10 @@ class FakeEngine:
     `seconds_per_step`, `seconds_per_token`, `seconds_per_cell` and `swap_bytes_per_s` make
     steps and copies report times (the scheduler learns its cost models from them);
     `lose_swaps` are keys whose restore fails.
+
+    A side context (`side_tokens_per_step` > 0, engine.side_prefill) prefills each prompt
+    handed to it by `side_prefill` at that many tokens per step, one at a time, and puts
+    its cells under its key as a swap would; `lose_side` are keys whose prefill fails.
     """
 
     n_batch: int | None = None
@@ -125,7 +129,15 @@ class FakeEngine:
     window: int = 0  # sliding attention window: cells llama.cpp may overwrite (`pruned`)
     pruned: set[int] = field(default_factory=set)
     swapped: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)
+    side_tokens_per_step: int = 0
+    side_jobs: list[tuple[int, list[int]]] = field(default_factory=list)  # (key, tokens)
+    side_progress: int = 0  # tokens of the first job prefilled
+    lose_side: set[int] = field(default_factory=set)
     _next_cell: int = 0
+
+    @property
+    def side_busy(self) -> bool:
+        return bool(self.side_jobs)
 
     @property
     def kv_used(self) -> int:
@@ -184,6 +196,11 @@ class FakeEngine:
             raise ContractViolation(f"still stepping after {self.max_steps} steps (livelock?)")
         self.batches.append(batch)
         swap = StepResult({})
+        for key, tokens in batch.side_prefill:
+            taken = key in self.swapped or any(k == key for k, _ in self.side_jobs)
+            if not self.side_tokens_per_step or taken or not tokens:
+                raise ContractViolation(f"step {i}: side prefill of key {key}")
+            self.side_jobs.append((key, list(tokens)))
         for seq_id, key in batch.swap_out:
             if seq_id not in self.kv or key in self.swapped:
                 raise ContractViolation(f"step {i}: swap out of seq {seq_id} as key {key}")
@@ -264,7 +281,24 @@ class FakeEngine:
         swap.decode_s = (
             self.seconds_per_step + self.seconds_per_token * n + self.seconds_per_cell * cells
         )
+        swap.side_done = self._side_step()
         return swap
+
+    def _side_step(self) -> list[tuple[int, bool]]:
+        """The side context works on while the step runs; a finished prompt's cells wait
+        under its key like a swapped sequence's."""
+        if not self.side_jobs:
+            return []
+        self.side_progress += self.side_tokens_per_step
+        key, tokens = self.side_jobs[0]
+        if self.side_progress < len(tokens):
+            return []
+        self.side_jobs.pop(0)
+        self.side_progress = 0
+        if key in self.lose_side:
+            return [(key, False)]
+        self.swapped[key] = self._new_cells(0, tokens)
+        return [(key, True)]
 
 
 def prompt_logprob(pos: int, token: int) -> float:

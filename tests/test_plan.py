@@ -27,6 +27,7 @@ from engine.plan import (
     parse_size,
     plan_from_json,
     plan_to_json,
+    reserves,
     vram_for_expert_share,
 )
 from tests.tiny_gguf import Shape, write_qwen3moe
@@ -445,3 +446,44 @@ def test_serve_caches_experts_by_default_only_on_a_gpu(
     monkeypatch.setattr(planning, "llama", Gpu)
     assert served(AUTO) > 0
     assert served(0) == 0
+
+
+def test_serve_opens_a_side_context_where_a_gpu_computes_prompts_with_experts_in_ram(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--side-prefill-ctx` left at auto: a side context (engine.side_prefill) only where a
+    GPU computes prompts with routed experts in host RAM — placed by hand, or by the plan,
+    which then reserves its KV and buffers as one more context; none without a GPU, none
+    where the experts are resident; a number is taken as given."""
+    from dataclasses import replace
+
+    import api.planning as planning
+    from engine.config import SIDE_AUTO, EngineConfig
+    from engine.placement import CPU_MOE
+
+    class Gpu:
+        def llama_supports_gpu_offload(self) -> bool:
+            return True
+
+    model = str(write_qwen3moe(tmp_path / "m.gguf", shape=Shape(n_expert=32, n_ff_exp=1024)))
+    meta = read_meta(model)
+    by_hand = EngineConfig(model_path=model, n_ctx=65536, cpu_tensors=(CPU_MOE,),
+                           side_prefill_ctx=SIDE_AUTO)  # fmt: skip
+    req = planning.PlanRequest()
+    assert planning.plan_for_serve(by_hand, req, None)[0].side_prefill_ctx == 0  # no GPU
+    monkeypatch.setattr(planning, "llama", Gpu)
+    assert planning.plan_for_serve(by_hand, req, None)[0].side_prefill_ctx == 32768
+    small = EngineConfig(model_path=model, n_ctx=4096, side_prefill_ctx=SIDE_AUTO)
+    opts = PlanOptions(kv_tokens=4096)
+    whole = planning.plan_model(meta, planning.PlanRequest(vram_budget="64GiB", options=opts))
+    experts = sum(t.nbytes for t in whole.tensors if EXPERT.search(t.name))
+    with_side = msgspec.structs.replace(opts, kv_tokens=8192, contexts=2)
+    extra = reserves(meta, with_side)[0].total - reserves(meta, opts)[0].total
+    for budget, side in ((str(whole.vram_used + extra - experts // 2), 4096), ("64GiB", 0)):
+        tight = planning.PlanRequest(vram_budget=budget, ram_budget="64GiB", options=opts)
+        cfg, plan = planning.plan_for_serve(small, tight, None)
+        assert plan is not None and cfg.side_prefill_ctx == side
+        assert plan.options.contexts == (2 if side else 1)
+        assert plan.options.kv_tokens == 4096 + side and plan.vram_used <= parse_size(budget)
+    given = replace(by_hand, side_prefill_ctx=1000)
+    assert planning.plan_for_serve(given, req, None)[0].side_prefill_ctx == 1000

@@ -96,6 +96,9 @@ class Driver:
             if not self.sched.has_work:
                 return
             if self.step().out.is_empty and self.sched.has_work:
+                if self.sched.aside:  # its side prefill goes on: the side thread wakes us
+                    self.sched.side_woke()
+                    continue
                 raise AssertionError("scheduler has work but scheduled nothing")
         raise AssertionError(f"not done after {max_steps} steps (livelock?)")
 
@@ -174,11 +177,13 @@ def check_mirror(sched: Scheduler, fake: FakeEngine) -> None:
     pending = sched.kv.pending
     if not pending.released and not pending.kv_ops:  # (the engine drops those next step)
         assert fake.kv_used == sched.kv.used  # shared cells counted once on both sides
-    # A swapped request's KV is in the engine's swap store, as many cells as it computed.
+    # A swapped request's KV is in the engine's swap store, as many cells as it computed;
+    # a prompt prefilled aside holds its space until its cells come (then it is swapped).
     swapped = [r for r in sched.waiting if r.swap_key is not None]
-    assert sched.kv.swap_used == sum(r.num_computed for r in swapped)
+    aside = sum(r.num_prompt - 1 for r in sched.aside.values())
+    assert sched.kv.swap_used == sum(r.num_computed for r in swapped) + aside
     assert {r.swap_key: r.num_computed for r in swapped} == {
-        k: len(cells) for k, cells in fake.swapped.items()
+        k: len(cells) for k, cells in fake.swapped.items() if k not in pending.swap_drop
     }
 
 
@@ -1488,3 +1493,158 @@ def test_prompt_logprobs_survive_a_preemption_without_repeats() -> None:
     d.run()
     _scored_prompt(d.streams["scored"][0], ids)
     d.assert_matches_reference("scored")
+
+
+# ---- prompts prefilled aside (a side context beside the steps) ----------------------------
+
+
+def side_cfg(**kw: float | None) -> SchedulerConfig:
+    """A target no step with a prompt chunk beside a decoder can keep (1 ms against 10 ms
+    a step), a side context for prompts of up to 200 tokens, swap space for them."""
+    base: dict[str, float | None] = dict(
+        max_num_seqs=4, kv_capacity=1_000, max_num_batched_tokens=64, max_stall_s=0.001,
+        side_prefill_tokens=200, swap_cells=1_000, kv_bytes_per_cell=1,
+    )  # fmt: skip
+    base.update(kw)
+    return SchedulerConfig(**base)  # type: ignore[arg-type]
+
+
+def side_fake(per_step: int = 16, lose: frozenset[int] = frozenset()) -> FakeEngine:
+    """Its side context prefills `per_step` tokens a step; the keys in `lose` fail."""
+    return FakeEngine(seconds_per_step=0.01, seconds_per_token=1e-3,
+                      side_tokens_per_step=per_step, lose_side=set(lose))  # fmt: skip
+
+
+def decoding(d: Driver, req: Request) -> None:
+    """Step until `req` decodes, a few tokens in (its prompt's step taught the cost model
+    prompts; a decoder with one token may have come with a burst, whose step is free)."""
+    while len(req.output_ids) < 3:
+        d.step()
+
+
+def test_a_prompt_no_step_could_carry_within_the_target_is_prefilled_aside() -> None:
+    """Every step with a prompt chunk beside the decoder would go over the target: the
+    prompt goes to the side context whole (less its last token) while the decoder keeps
+    its one-token steps, comes back as a swapped request, is restored and samples — the
+    same output as in place."""
+    d = Driver(side_cfg(), side_fake())
+    a = d.add(make_request("a", prompt(8), 60))
+    decoding(d, a)
+    long = d.add(make_request("long", prompt(100, 3), 5))
+    step = d.step()
+    assert step.out.batch.side_prefill == [(long.swap_key, long.prompt_ids[:99])]
+    assert long.req_id in d.sched.aside and long not in d.sched.waiting
+    assert step.stats is not None and step.stats.num_running == 2
+    while long.req_id in d.sched.aside:  # the decoder alone in every step meanwhile
+        step = d.step()
+        assert [len(c.tokens) for c in step.out.batch.chunks] == [1]
+    assert step.stats is not None and step.stats.aside_prompt_tokens == 99
+    assert long.num_computed == 99 and long.swap_key is not None
+    restored = d.step()
+    (seq,) = [c.seq_id for c, r in zip(restored.out.batch.chunks, restored.out.reqs,
+                                        strict=True) if r is long]  # fmt: skip
+    assert restored.out.batch.swap_in == [(0, seq)]
+    assert [(len(c.tokens), c.pos0) for c in restored.out.batch.chunks] == [(1, a.num_computed - 1),
+                                                                            (1, 99)]  # fmt: skip
+    d.run()
+    d.assert_matches_reference("a")
+    d.assert_matches_reference("long")
+    assert d.sched.kv.swap_used == 0 and not d.fake.swapped
+
+
+def test_where_a_step_can_carry_a_chunk_within_the_target_the_prompt_stays_in_place() -> None:
+    d = Driver(side_cfg(max_stall_s=10.0), side_fake())
+    a = d.add(make_request("a", prompt(8), 60))
+    decoding(d, a)
+    d.add(make_request("long", prompt(100, 3), 5))
+    d.run()
+    assert not any(s.out.batch.side_prefill for s in d.steps)
+    d.assert_matches_reference("long")
+
+
+def test_without_a_side_context_or_decoders_the_prompt_is_chunked_in_place() -> None:
+    """No side context (the default), or no one waiting for the steps (nothing bounds them):
+    in place."""
+    for config, first in ((side_cfg(side_prefill_tokens=0), True), (side_cfg(), False)):
+        d = Driver(config, side_fake())
+        if first:
+            decoding(d, d.add(make_request("a", prompt(8), 60)))
+        d.add(make_request("long", prompt(100, 3), 5))
+        d.run()
+        assert not any(s.out.batch.side_prefill for s in d.steps)
+        d.assert_matches_reference("long")
+
+
+def test_a_second_long_prompt_waits_for_the_side_context_and_short_ones_pass() -> None:
+    """One prompt at a time aside: the next long one waits for the side context (in place
+    it would hold every decoder), while one behind it shorter than a minimum chunk (which
+    the side context does not take) goes in place meanwhile."""
+    d = Driver(side_cfg(), side_fake())
+    a = d.add(make_request("a", prompt(8), 80))
+    decoding(d, a)
+    first = d.add(make_request("first", prompt(100, 3), 5))
+    second = d.add(make_request("second", prompt(90, 5), 5))
+    short = d.add(make_request("short", prompt(12, 7), 5))
+    d.step()
+    assert first.req_id in d.sched.aside and second in d.sched.waiting
+    while first.req_id in d.sched.aside:
+        d.step()
+        assert second.num_computed == 0 and second.seq_id is None
+    assert short.output_ids  # it went in place, beside the decoder, meanwhile
+    d.run()
+    asides = [k for s in d.steps for k, _ in s.out.batch.side_prefill]
+    assert len(asides) == 2 and second.swap_key is None
+    for req_id in ("a", "first", "second", "short"):
+        d.assert_matches_reference(req_id)
+
+
+def test_a_request_abandoned_while_aside_frees_its_swap_space_and_its_cells_are_dropped() -> None:
+    d = Driver(side_cfg(), side_fake())
+    a = d.add(make_request("a", prompt(8), 60))
+    decoding(d, a)
+    long = d.add(make_request("long", prompt(100, 3), 5))
+    d.step()
+    key = long.swap_key
+    assert key is not None and d.sched.kv.swap_used == 99
+    d.sched.abort("long", d.now)
+    assert d.sched.kv.swap_used == 0 and not d.sched.aside
+    assert long.status is RequestStatus.FINISHED_ABORTED
+    while d.fake.side_busy:  # its prefill runs on; its cells are dropped once they come
+        step = d.step()
+        assert key not in step.out.batch.swap_drop or not d.fake.side_busy
+    d.run()
+    assert any(s.out.batch.swap_drop == [key] for s in d.steps)
+    assert not d.fake.swapped and d.sched.kv.swap_used == 0
+    d.assert_matches_reference("a")
+
+
+def test_a_side_prefill_that_failed_is_computed_in_place() -> None:
+    d = Driver(side_cfg(), side_fake(lose=frozenset({0})))
+    a = d.add(make_request("a", prompt(8), 60))
+    decoding(d, a)
+    long = d.add(make_request("long", prompt(100, 3), 5))
+    d.run()
+    assert sum(len(s.out.batch.side_prefill) for s in d.steps) == 1
+    assert not any(s.out.batch.swap_in for s in d.steps) and long.swap_key is None
+    d.assert_matches_reference("long")
+    assert d.sched.kv.swap_used == 0
+
+
+def test_an_idle_scheduler_asks_for_the_side_prefill_once_woken() -> None:
+    """The decoders finished while a prompt was aside: nothing is left to step, so the
+    scheduler plans nothing (the loop sleeps) until the side context wakes it; then one
+    batch asks for what it finished."""
+    d = Driver(side_cfg(), side_fake(per_step=4))
+    a = d.add(make_request("a", prompt(8), 8))
+    decoding(d, a)
+    long = d.add(make_request("long", prompt(100, 3), 5))
+    while a.status is not RequestStatus.FINISHED_LENGTH:
+        d.step()
+    d.step()  # (its release)
+    assert long.req_id in d.sched.aside and d.sched.has_work
+    assert d.step().out.is_empty
+    d.sched.side_woke()
+    poll = d.step()
+    assert poll.out.batch.side_poll and not poll.out.batch.chunks
+    d.run()
+    d.assert_matches_reference("long")
