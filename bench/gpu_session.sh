@@ -15,7 +15,8 @@
 #   typical, 1/8/32 sequences: the native decode-and-sample step), deploy-run (deploy/run.sh end
 #   to end: dry run, serve, a request), stall24 (both stalls, ours at 250 ms), multiturn-cpumoe
 #   (the chat with experts in RAM, our default target), issue32 (the experts-in-RAM stall,
-#   multiturn all-GPU and experts in RAM, each bounded), side (bench.side_prefill), typical (the sampled throughput
+#   multiturn all-GPU and experts in RAM, each bounded), side (bench.side_prefill),
+#   side-serve (the served side context: the experts-in-RAM stall and chat), typical (the sampled throughput
 #   rows), ubatch-ab (experts in RAM: physical
 #   batches of 512 and 2048 rows), cache-cuda and cache-curve (the routed-expert cache on
 #   the GPU: its tests, then bench.routing_curve; with .gpu-pre/ from
@@ -164,6 +165,13 @@ for s in "${steps[@]}"; do
       run multiturn timeout 300 python3 -m bench.multiturn --gpu --peer-bin "$PEER_BIN" \
         --model "$MODEL" --n-ctx 139264 --peer-args "--cache-ram 0" --scenario-timeout 120 \
         --json "$R/multiturn.json"
+      run multiturn-cpumoe timeout 560 python3 -m bench.multiturn --gpu --cpu-moe \
+        --peer-bin "$PEER_BIN" --model "$MODEL" --n-ctx 139264 --peer-args "--cache-ram 0" \
+        --scenario-timeout 180 --json "$R/multiturn-cpumoe.json" ;;
+    side-serve)  # issue 32: the served side context (auto with --cpu-moe on a GPU): the
+      # experts-in-RAM 16K stall, then the experts-in-RAM chat and burst
+      run stall-cpumoe timeout 420 python3 -m bench.stall --gpu --peer-bin "$PEER_BIN" \
+        --model "$MODEL" --prompt-tokens 16384 --decoders 4 --cpu-moe
       run multiturn-cpumoe timeout 560 python3 -m bench.multiturn --gpu --cpu-moe \
         --peer-bin "$PEER_BIN" --model "$MODEL" --n-ctx 139264 --peer-args "--cache-ram 0" \
         --scenario-timeout 180 --json "$R/multiturn-cpumoe.json" ;;

@@ -259,7 +259,8 @@ def report(results: dict[str, StallResult], metrics: str, over: list[str]) -> No
             f"\nours / llama-server: TTFT {ours.ttft_s / peer.ttft_s:.2f}, "
             f"longest gap {ours.max_gap_ms / peer.max_gap_ms:.2f}"
         )
-    cost = [ln for ln in metrics.splitlines() if ln.startswith("onegpu_cost_model")]
+    shown = ("onegpu_cost_model", "onegpu_side_prefill_tokens_total")
+    cost = [ln for ln in metrics.splitlines() if ln.startswith(shown)]
     print("\nour cost model at the end:\n" + "\n".join(cost))
     # Server-side: steps that ran past the target. None while the client saw a longer gap
     # means the gap was made outside the step (HTTP, the client, the host).
