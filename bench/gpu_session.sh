@@ -16,7 +16,8 @@
 #   to end: dry run, serve, a request), stall24 (both stalls, ours at 250 ms), multiturn-cpumoe
 #   (the chat with experts in RAM, our default target), issue32 (the experts-in-RAM stall,
 #   multiturn all-GPU and experts in RAM, each bounded), side (bench.side_prefill),
-#   side-serve (the served side context: the experts-in-RAM stall and chat), typical (the sampled throughput
+#   side-serve (the served side context: the experts-in-RAM stall and chat), side-stall
+#   (the stall alone, our slow steps logged), typical (the sampled throughput
 #   rows), ubatch-ab (experts in RAM: physical
 #   batches of 512 and 2048 rows), cache-cuda and cache-curve (the routed-expert cache on
 #   the GPU: its tests, then bench.routing_curve; with .gpu-pre/ from
@@ -175,6 +176,12 @@ for s in "${steps[@]}"; do
       run multiturn-cpumoe timeout 560 python3 -m bench.multiturn --gpu --cpu-moe \
         --peer-bin "$PEER_BIN" --model "$MODEL" --n-ctx 139264 --peer-args "--cache-ram 0" \
         --scenario-timeout 180 --json "$R/multiturn-cpumoe.json" ;;
+    side-stall)  # issue 32: the experts-in-RAM 16K stall, ours logging its slow steps
+      run stall-cpumoe timeout 420 python3 -m bench.stall --gpu --peer-bin "$PEER_BIN" \
+        --model "$MODEL" --prompt-tokens 16384 --decoders 4 --cpu-moe \
+        --ours-args "--repro-slots 0 --log-level debug"
+      d=$(ls -dt /tmp/onegpu-stall-* | head -1)
+      grep -E "planned step|side prefill" "$d/ours.log" | cut -c1-260 > "$R/side-steps.txt" ;;
     side)  # issue 32: a second context prefills the 16K prompt beside the decoders (engine
       # alone), experts in RAM, then all on the GPU
       run side-cpumoe timeout 300 python3 -m bench.side_prefill --model "$MODEL" --cpu-moe --ubatch 2048 \

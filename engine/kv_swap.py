@@ -8,15 +8,19 @@ necessarily contiguous) keeps the work at the price of two copies — cheaper th
 recomputing for all but short sequences; the scheduler decides which per victim
 (scheduler.kv.SwapCost) and bounds the bytes held here (`--swap-space`).
 
-The buffers are plain host memory owned by this store, keyed by the scheduler's swap keys.
+The buffers are host memory owned by this store, keyed by the scheduler's swap keys:
+plain memory, or page-locked memory lent by a `PinnedStaging` (engine.pinned) where the
+store was given one, which goes back to its lender once the bytes are restored or dropped.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from engine.pinned import HostBytes, plain
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +33,7 @@ class SideDone:
     store to `put` under `key` (None: it failed, the request recomputes)."""
 
     key: int
-    kv: ctypes.Array[ctypes.c_uint8] | None
+    kv: HostBytes | None
     tokens: int
 
 
@@ -39,7 +43,8 @@ class SwapStore:
     def __init__(self, ll: Any, ctx: Any) -> None:
         self._ll = ll
         self._ctx = ctx
-        self._saved: dict[int, ctypes.Array[ctypes.c_uint8]] = {}
+        self._saved: dict[int, HostBytes] = {}
+        self.alloc: Callable[[int], HostBytes] = plain  # where a save's bytes go
 
     @property
     def nbytes(self) -> int:
@@ -53,10 +58,11 @@ class SwapStore:
         size = self._ll.llama_state_seq_get_size_ext(self._ctx, llama_seq, _FLAGS)
         if size <= 0:
             return 0
-        buf = (ctypes.c_uint8 * size)()
-        n = self._ll.llama_state_seq_get_data_ext(self._ctx, buf, size, llama_seq, _FLAGS)
+        buf = self.alloc(size)
+        n = self._ll.llama_state_seq_get_data_ext(self._ctx, buf.view, size, llama_seq, _FLAGS)
         if n != size:
             log.warning("saving sequence %d: %d of %d bytes", llama_seq, n, size)
+            buf.free()
             return 0
         self._saved[key] = buf
         return int(n)
@@ -68,22 +74,26 @@ class SwapStore:
         buf = self._saved.pop(key, None)
         if buf is None:
             return 0
-        n = self._ll.llama_state_seq_set_data_ext(self._ctx, buf, len(buf), llama_seq, _FLAGS)
+        n = self._ll.llama_state_seq_set_data_ext(self._ctx, buf.view, len(buf), llama_seq, _FLAGS)
+        buf.free()
         if n != len(buf):
             log.warning("restoring sequence %d (%d bytes) failed", llama_seq, len(buf))
             return 0
         return int(n)
 
-    def take(self, key: int) -> ctypes.Array[ctypes.c_uint8] | None:
+    def take(self, key: int) -> HostBytes | None:
         """A saved sequence's bytes, handed over (another context's store `put`s them)."""
         return self._saved.pop(key, None)
 
-    def put(self, key: int, buf: ctypes.Array[ctypes.c_uint8]) -> None:
+    def put(self, key: int, buf: HostBytes) -> None:
         """Bytes another context of the same model saved (`take`), restored like our own."""
         self._saved[key] = buf
 
     def drop(self, key: int) -> None:
-        self._saved.pop(key, None)
+        if (buf := self._saved.pop(key, None)) is not None:
+            buf.free()
 
     def clear(self) -> None:
+        for buf in self._saved.values():
+            buf.free()
         self._saved.clear()

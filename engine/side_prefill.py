@@ -17,14 +17,15 @@ at a time: the side context holds one sequence, and the link is the bottleneck a
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 from engine.kv_swap import SideDone
 from engine.model import Model
+from engine.pinned import HostBytes, PinnedStaging, plain
 from engine.runner import Engine
 from engine.step_types import SamplingParams, SeqChunk, SeqStart, StepBatch
 
@@ -46,6 +47,11 @@ class SidePrefill:
         model.ll.llama_set_n_threads(self._ctx.ctx, threads, threads)
         self._engine = Engine(model, self._ctx)
         self.n_ctx = self._ctx.n_ctx
+        # its saves go to page-locked memory where there is a GPU (engine.pinned): a save
+        # through pageable memory held the main context's step for as long as it took
+        self._staging = PinnedStaging(model.ll)
+        self._engine.swap.alloc = self._alloc
+        self._tokens = 1  # the prompt being saved (sizes the staging buffer for n_ctx)
         self._jobs: queue.Queue[tuple[int, list[int]] | None] = queue.Queue()
         self._done: queue.Queue[SideDone] = queue.Queue()
         self.ready = threading.Event()  # set when a prefill ends (an idle loop waits on it)
@@ -102,9 +108,14 @@ class SidePrefill:
                 except Exception:  # the next step collects it anyway
                     log.exception("waking the scheduler for a side prefill failed")
 
-    def _prefill(self, key: int, tokens: list[int]) -> ctypes.Array[ctypes.c_uint8] | None:
+    def _alloc(self, size: int) -> HostBytes:
+        capacity = size * self.n_ctx // self._tokens + (1 << 20)
+        return self._staging.lend(size, capacity) or plain(size)
+
+    def _prefill(self, key: int, tokens: list[int]) -> HostBytes | None:
         # batches as even as the fewest full ones allow: a short last one (under 32 rows)
         # would compute the experts on this context's few threads
+        start = time.perf_counter()
         k = -(-len(tokens) // self._engine.n_batch)
         step = -(-len(tokens) // k)
         for d in range(0, len(tokens), step):
@@ -113,7 +124,11 @@ class SidePrefill:
             starts = [SeqStart(_SEQ, _GREEDY)] if d == 0 else []
             chunk = SeqChunk(_SEQ, tokens[d : d + step], d, False)
             self._engine.step(StepBatch([chunk], starts))
+        t0 = time.perf_counter()
+        self._tokens = max(1, len(tokens))
         swap = self._engine.swap
         if not swap.save(key, self._engine.llama_seq(_SEQ)):
             return None
+        log.debug("side prefill of %d tokens in %d batches: %.2f s, KV saved in %.0f ms",
+                  len(tokens), k, t0 - start, 1000 * (time.perf_counter() - t0))  # fmt: skip
         return swap.take(key)
