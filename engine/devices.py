@@ -18,9 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.cgroup import CGROUP_OF, MOUNT, memory_headroom
-from engine.placement import libggml
-
-_GPU_TYPES = (1, 2)  # GGML_BACKEND_DEVICE_TYPE_GPU, GGML_BACKEND_DEVICE_TYPE_IGPU
+from engine.placement import GPU_TYPES, ggml_devices
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,14 +30,7 @@ class GpuMemory:
 
 def gpu_memory(ll: Any) -> list[GpuMemory]:
     """Free and total memory of each GPU ggml can use (empty on a CPU-only build)."""
-    g = libggml(ll)
-    g.ggml_backend_dev_count.restype = ctypes.c_size_t
-    g.ggml_backend_dev_get.restype = ctypes.c_void_p
-    g.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
-    g.ggml_backend_dev_type.restype = ctypes.c_int
-    g.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
-    g.ggml_backend_dev_name.restype = ctypes.c_char_p
-    g.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
+    g = ggml_devices(ll)
     g.ggml_backend_dev_memory.restype = None
     g.ggml_backend_dev_memory.argtypes = [
         ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)
@@ -47,7 +38,7 @@ def gpu_memory(ll: Any) -> list[GpuMemory]:
     out = []
     for i in range(g.ggml_backend_dev_count()):
         dev = g.ggml_backend_dev_get(i)
-        if g.ggml_backend_dev_type(dev) not in _GPU_TYPES:
+        if g.ggml_backend_dev_type(dev) not in GPU_TYPES:
             continue
         free, total = ctypes.c_size_t(), ctypes.c_size_t()
         g.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))

@@ -19,11 +19,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from engine.placement import libggml
+from engine.placement import GPU_TYPES, ggml_devices
 
 log = logging.getLogger(__name__)
-
-_GPU_TYPES = (1, 2)  # GGML_BACKEND_DEVICE_TYPE_GPU, GGML_BACKEND_DEVICE_TYPE_IGPU
 
 
 class HostBytes:
@@ -54,12 +52,7 @@ class PinnedStaging:
     """One page-locked buffer of up to `capacity` bytes, lent whole to one sequence."""
 
     def __init__(self, ll: Any) -> None:
-        self._g = g = libggml(ll)
-        g.ggml_backend_dev_count.restype = ctypes.c_size_t
-        g.ggml_backend_dev_get.restype = ctypes.c_void_p
-        g.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
-        g.ggml_backend_dev_type.restype = ctypes.c_int
-        g.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+        self._g = g = ggml_devices(ll)
         g.ggml_backend_dev_host_buffer_type.restype = ctypes.c_void_p
         g.ggml_backend_dev_host_buffer_type.argtypes = [ctypes.c_void_p]
         g.ggml_backend_buft_alloc_buffer.restype = ctypes.c_void_p
@@ -69,7 +62,7 @@ class PinnedStaging:
         self._buft = None
         for i in range(g.ggml_backend_dev_count()):
             dev = g.ggml_backend_dev_get(i)
-            if g.ggml_backend_dev_type(dev) in _GPU_TYPES:
+            if g.ggml_backend_dev_type(dev) in GPU_TYPES:
                 self._buft = g.ggml_backend_dev_host_buffer_type(dev)
                 break
         self._base = 0

@@ -36,6 +36,22 @@ def libggml(ll: Any) -> ctypes.CDLL:
         return ctypes.CDLL(str(here))
 
 
+GPU_TYPES = (1, 2)  # GGML_BACKEND_DEVICE_TYPE_GPU, GGML_BACKEND_DEVICE_TYPE_IGPU
+
+
+def ggml_devices(ll: Any) -> ctypes.CDLL:
+    """`libggml` with its backend-device calls typed (the devices llama.cpp uses)."""
+    g = libggml(ll)
+    g.ggml_backend_dev_count.restype = ctypes.c_size_t
+    g.ggml_backend_dev_get.restype = ctypes.c_void_p
+    g.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    g.ggml_backend_dev_type.restype = ctypes.c_int
+    g.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+    g.ggml_backend_dev_name.restype = ctypes.c_char_p
+    g.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
+    return g
+
+
 def cpu_buffer_type(ll: Any) -> int:
     ggml = libggml(ll)
     ggml.ggml_backend_dev_by_type.restype = ctypes.c_void_p
