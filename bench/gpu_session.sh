@@ -182,6 +182,12 @@ for s in "${steps[@]}"; do
         --ours-args "--repro-slots 0 --log-level debug"
       d=$(ls -dt /tmp/onegpu-stall-* | head -1)
       grep -E "planned step|side prefill" "$d/ours.log" | cut -c1-260 > "$R/side-steps.txt" ;;
+    side-stall-ours)  # side-stall, ours only (when little device time is left)
+      run stall-cpumoe-ours timeout 200 python3 -m bench.stall --gpu --no-peer \
+        --model "$MODEL" --prompt-tokens 16384 --decoders 4 --cpu-moe \
+        --ours-args "--repro-slots 0 --log-level debug"
+      d=$(ls -dt /tmp/onegpu-stall-* | head -1)
+      grep -E "planned step|side prefill" "$d/ours.log" | cut -c1-260 > "$R/side-steps.txt" ;;
     side)  # issue 32: a second context prefills the 16K prompt beside the decoders (engine
       # alone), experts in RAM, then all on the GPU
       run side-cpumoe timeout 300 python3 -m bench.side_prefill --model "$MODEL" --cpu-moe --ubatch 2048 \
