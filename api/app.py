@@ -81,7 +81,9 @@ def _load(
         log.info("weights on %s: %d tensors, %.2f GiB", device, n, nbytes / 2**30)
     engines = [Engine(model)]
     if settings.engine.side_prefill_ctx > 0:
-        engines[0].side = SidePrefill(model, settings.engine.side_prefill_ctx, SIDE_THREADS)
+        engines[0].side = SidePrefill(
+            model, settings.engine.side_prefill_ctx, SIDE_THREADS, placement.kv_bytes_per_token
+        )
     lanes = settings.lanes
     if lanes.slots > 0:
         ctx = model.open_context(

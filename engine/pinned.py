@@ -5,11 +5,11 @@ buffers: on an H100 host, saving a 16K prompt's 1.5 GiB from the side context to
 and writing it into the main context 304 ms, and while the pageable save ran the main
 context's decode step waited for it (890 ms, 156 of them its own). Page-locked memory is
 copied by DMA at the link's rate. Pinning is itself slow and freeing it synchronizes the
-device, so one buffer is allocated once (at its first use, sized for the largest
-sequence the owner will save) and lent to one saved sequence at a time; when it is lent
-out, the caller falls back to plain memory. The memory comes from ggml's host buffer type
-of the first GPU (`cudaHostAlloc` on CUDA); without a GPU there is none (`lend` answers
-None). The buffer lives as long as the process: its owner is too.
+device, so one buffer is allocated once, when the server starts, sized for the largest
+sequence its owner will save, and lent to one saved sequence at a time; when it is lent
+out (or too small), the caller falls back to plain memory. The memory comes from ggml's
+host buffer type of the first GPU (`cudaHostAlloc` on CUDA); without a GPU there is none
+(`lend` answers None). The buffer lives as long as the process: its owner does too.
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ def plain(size: int) -> HostBytes:
 
 
 class PinnedStaging:
-    """One page-locked buffer of up to `capacity` bytes, lent whole to one sequence."""
+    """One page-locked buffer of `capacity` bytes, lent to one sequence at a time."""
 
-    def __init__(self, ll: Any) -> None:
+    def __init__(self, ll: Any, capacity: int) -> None:
         self._g = g = ggml_devices(ll)
         g.ggml_backend_dev_host_buffer_type.restype = ctypes.c_void_p
         g.ggml_backend_dev_host_buffer_type.argtypes = [ctypes.c_void_p]
@@ -59,31 +59,26 @@ class PinnedStaging:
         g.ggml_backend_buft_alloc_buffer.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         g.ggml_backend_buffer_get_base.restype = ctypes.c_void_p
         g.ggml_backend_buffer_get_base.argtypes = [ctypes.c_void_p]
-        self._buft = None
+        buft = None
         for i in range(g.ggml_backend_dev_count()):
             dev = g.ggml_backend_dev_get(i)
             if g.ggml_backend_dev_type(dev) in GPU_TYPES:
-                self._buft = g.ggml_backend_dev_host_buffer_type(dev)
+                buft = g.ggml_backend_dev_host_buffer_type(dev)
                 break
         self._base = 0
-        self._capacity = 0
+        self.capacity = 0
         self._lent = False
-
-    def lend(self, size: int, capacity: int) -> HostBytes | None:
-        """`size` bytes of the buffer (allocated for `capacity` at the first use), or None:
-        no GPU host memory, the buffer is lent out, or it is too small (the sequence then
-        goes to plain memory)."""
-        if self._buft is None or self._lent:
-            return None
-        if not self._base:
-            buf = self._g.ggml_backend_buft_alloc_buffer(self._buft, max(size, capacity))
-            if not buf:
+        if buft:
+            buf = g.ggml_backend_buft_alloc_buffer(buft, capacity)
+            if buf:
+                self._base, self.capacity = g.ggml_backend_buffer_get_base(buf), capacity
+            else:
                 log.warning("no page-locked host buffer of %d bytes: plain memory", capacity)
-                self._buft = None
-                return None
-            self._base = self._g.ggml_backend_buffer_get_base(buf)
-            self._capacity = max(size, capacity)
-        if size > self._capacity:
+
+    def lend(self, size: int) -> HostBytes | None:
+        """`size` bytes of the buffer, or None: no GPU host memory, the buffer is lent
+        out, or it is too small (the sequence then goes to plain memory)."""
+        if not self._base or self._lent or size > self.capacity:
             return None
         self._lent = True
         return HostBytes((ctypes.c_uint8 * size).from_address(self._base), self._returned)

@@ -41,17 +41,21 @@ class SidePrefill:
     whoever steps the main context) is called on the worker thread when a prefill ends:
     an idle scheduler loop waits for that, not for a step."""
 
-    def __init__(self, model: Model, n_ctx: int, threads: int = 2) -> None:
+    def __init__(
+        self, model: Model, n_ctx: int, threads: int = 2, kv_bytes_per_token: int = 0
+    ) -> None:
         self._ctx = model.open_context(n_ctx=n_ctx, n_seq_max=1, unified=True,
                                        device_greedy=False, swa_full=model.swa_full)  # fmt: skip
         model.ll.llama_set_n_threads(self._ctx.ctx, threads, threads)
         self._engine = Engine(model, self._ctx)
         self.n_ctx = self._ctx.n_ctx
         # its saves go to page-locked memory where there is a GPU (engine.pinned): a save
-        # through pageable memory held the main context's step for as long as it took
-        self._staging = PinnedStaging(model.ll)
+        # through pageable memory held the main context's step for as long as it took.
+        # Sized for a full context: every cell's K and V, its position and sequence ids,
+        # and room for the per-layer headers.
+        capacity = self.n_ctx * (kv_bytes_per_token + 16) + (1 << 20)
+        self._staging = PinnedStaging(model.ll, capacity) if kv_bytes_per_token else None
         self._engine.swap.alloc = self._alloc
-        self._tokens = 1  # the prompt being saved (sizes the staging buffer for n_ctx)
         self._jobs: queue.Queue[tuple[int, list[int]] | None] = queue.Queue()
         self._done: queue.Queue[SideDone] = queue.Queue()
         self.ready = threading.Event()  # set when a prefill ends (an idle loop waits on it)
@@ -109,8 +113,8 @@ class SidePrefill:
                     log.exception("waking the scheduler for a side prefill failed")
 
     def _alloc(self, size: int) -> HostBytes:
-        capacity = size * self.n_ctx // self._tokens + (1 << 20)
-        return self._staging.lend(size, capacity) or plain(size)
+        lent = self._staging.lend(size) if self._staging is not None else None
+        return lent or plain(size)
 
     def _prefill(self, key: int, tokens: list[int]) -> HostBytes | None:
         # batches as even as the fewest full ones allow: a short last one (under 32 rows)
@@ -125,7 +129,6 @@ class SidePrefill:
             chunk = SeqChunk(_SEQ, tokens[d : d + step], d, False)
             self._engine.step(StepBatch([chunk], starts))
         t0 = time.perf_counter()
-        self._tokens = max(1, len(tokens))
         swap = self._engine.swap
         if not swap.save(key, self._engine.llama_seq(_SEQ)):
             return None

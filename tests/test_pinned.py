@@ -70,8 +70,8 @@ def test_lent_memory_goes_back_however_the_bytes_leave() -> None:
 def test_without_a_gpu_nothing_is_pinned_and_plain_memory_is_used() -> None:
     from engine._capi import llama
 
-    staging = PinnedStaging(llama())
-    assert staging.lend(1 << 20, 1 << 22) is None  # (this machine has no GPU)
+    staging = PinnedStaging(llama(), 1 << 22)
+    assert staging.capacity == 0 and staging.lend(1 << 20) is None  # (no GPU here)
     buf = plain(16)
     assert len(buf) == 16 and bytes(buf.view) == bytes(16)
     buf.free()  # (nothing to give back: a no-op)
