@@ -173,10 +173,12 @@ def _with_side(
     meta: ModelMeta, req: PlanRequest, plan: Plan, cfg: EngineConfig, wide: bool
 ) -> Plan:
     """The plan again with the side context's KV and compute buffers reserved (one more
-    context); the plan without it where that does not fit (no side context then)."""
-    opts = req.options
+    context), and in host RAM its page-locked buffer for a prompt's KV (engine.pinned);
+    the plan without it where that does not fit (no side context then)."""
+    opts, n = req.options, cfg.side_prefill_ctx
     side = replace(req, options=msgspec.structs.replace(
-        opts, kv_tokens=opts.kv_tokens + cfg.side_prefill_ctx, contexts=opts.contexts + 1,
+        opts, kv_tokens=opts.kv_tokens + n, contexts=opts.contexts + 1,
+        ram_margin=opts.ram_margin + n * meta.kv_bytes_per_token,
     ))  # fmt: skip
     try:
         return plan_wide(meta, side, cfg.n_batch) if wide else plan_model(meta, side)
