@@ -56,11 +56,14 @@ class StatsLog:
 
 class Harness:
     def __init__(
-        self, config: SchedulerConfig, fake: FakeEngine | None = None, hold_at_step: int = -1
-    ) -> None:
+        self, config: SchedulerConfig, fake: FakeEngine | None = None, hold_at_step: int = -1,
+        step: Callable[[StepBatch], StepResult] | None = None,
+    ) -> None:  # fmt: skip
         """`hold_at_step=k`: the engine thread waits before step k until `release()`, so a
-        test can act while the loop is at a known point (the fake steps in microseconds)."""
+        test can act while the loop is at a known point (the fake steps in microseconds).
+        `step`: the engine step around the fake, when a test wraps it."""
         self.fake = fake or FakeEngine()
+        self._inner = step or self.fake.step
         self.fake.n_batch = config.max_num_batched_tokens
         self.stats = StatsLog()
         self.held = threading.Event()
@@ -73,7 +76,7 @@ class Harness:
         if len(self.fake.batches) == self._hold_at:
             self.held.set()
             assert self._gate.wait(TIMEOUT_S), "never released"
-        return self.fake.step(batch)
+        return self._inner(batch)
 
     def release(self) -> None:
         self._gate.set()
@@ -286,5 +289,60 @@ def test_stop_drains_running_requests() -> None:
         assert not h.loop.is_running
         outs = [q.get_nowait() for _ in range(q.qsize())]
         assert_reference(req, outs)
+
+    run(main)
+
+
+def test_a_prompt_prefilled_aside_returns_though_nothing_else_steps() -> None:
+    """The decoder finishes while a prompt is prefilled by the side context: the engine
+    thread has nothing to step and sleeps; the side context's thread wakes it
+    (`side_woke`), and the batch that polls for the prefill restores the prompt, whose
+    output is the reference's."""
+
+    async def main() -> None:
+        config = SchedulerConfig(
+            max_num_seqs=4, kv_capacity=1_000, max_num_batched_tokens=64, max_stall_s=0.001,
+            side_prefill_tokens=200, swap_cells=1_000, kv_bytes_per_cell=1,
+        )  # fmt: skip
+        fake = FakeEngine(seconds_per_step=0.01, seconds_per_token=1e-3)
+        finish = threading.Event()
+        done: list[tuple[int, bool]] = []
+        lock = threading.Lock()
+        sent: list[int] = []
+
+        def side(key: int, tokens: list[int]) -> None:  # the side context's thread
+            assert finish.wait(TIMEOUT_S)
+            with lock:
+                fake.swapped[key] = [(pos, tok, -1 - pos) for pos, tok in enumerate(tokens)]
+                done.append((key, True))
+            h.loop.side_woke()
+
+        def step(batch: StepBatch) -> StepResult:
+            jobs, batch.side_prefill = batch.side_prefill, []
+            for key, tokens in jobs:
+                sent.append(key)
+                threading.Thread(target=side, args=(key, tokens), daemon=True).start()
+            result = fake.step(batch)
+            with lock:
+                result.side_done, done[:] = list(done), []
+            return result
+
+        h = Harness(config, fake, hold_at_step=3, step=step)
+        a = make_request("a", prompt(8), 6)
+        qa = h.loop.add(a)
+        # a few tokens in (not a burst's first step), the loop held before its next step
+        await h.guarded(asyncio.to_thread(h.held.wait, TIMEOUT_S))
+        long = make_request("long", prompt(100, 3), 4)
+        ql = h.loop.add(long)
+        h.release()
+        released = h.stats.expect(lambda s: s.num_step_tokens == 0)  # a's release step
+        assert (await h.collect(qa))[-1].finish_reason == "length"
+        await h.guarded(released)  # ... ran: from here the engine thread has nothing to do
+        assert sent and long.req_id in h.loop.scheduler.aside
+        steps = len(fake.batches)
+        finish.set()
+        assert_reference(long, await h.collect(ql))
+        assert fake.batches[steps].side_poll  # the first step after the wake-up polled
+        await h.close()
 
     run(main)
