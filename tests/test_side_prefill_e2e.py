@@ -14,12 +14,12 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from openai import AsyncOpenAI
+from openai import APITimeoutError, AsyncOpenAI
 from openai.types import Completion
 
 from bench.server_proc import Server, start_server
 from tests.conftest import MODEL
-from tests.test_api_e2e import arun, metrics
+from tests.test_api_e2e import arun, metrics, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -105,3 +105,49 @@ def test_a_prompt_beyond_the_target_is_prefilled_aside_while_users_decode(server
     final = metrics(server)
     assert final["onegpu_side_prefill_tokens_total"] == after["onegpu_side_prefill_tokens_total"]
     assert final["onegpu_swap_space_used_cells{lane=fast}"] == 0
+
+
+def test_a_client_gone_while_its_prompt_is_aside_frees_it_and_the_side_serves_the_next(
+    server: Server,
+) -> None:
+    """The client of a prompt being prefilled aside hangs up: its swap space is given
+    back, the bytes that arrive later are dropped, the decoder is undisturbed and the side
+    context takes the next such prompt."""
+    before = metrics(server)
+
+    async def run(c: AsyncOpenAI) -> tuple[int, int]:
+        decoding = asyncio.Event()
+        done = asyncio.Event()
+
+        async def decoder() -> int:
+            n = 0
+            stream = await c.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Tell a long story."}],
+                max_tokens=3000, temperature=0, stream=True,
+            )  # fmt: skip
+            async for ch in stream:
+                if ch.choices and ch.choices[0].delta.content:
+                    n += 1
+                    if n == 4:
+                        decoding.set()
+                    if done.is_set():
+                        await stream.close()
+                        break
+            return n
+
+        task = asyncio.create_task(decoder())
+        await decoding.wait()
+        impatient = c.with_options(timeout=0.5)  # gone while its prompt is aside
+        with pytest.raises(APITimeoutError):
+            await impatient.completions.create(model=MODEL, prompt=LONG, max_tokens=8)
+        r = await c.completions.create(model=MODEL, prompt=LONG, max_tokens=8, temperature=0)
+        done.set()
+        assert r.usage is not None and r.choices[0].finish_reason == "length"
+        return await task, r.usage.prompt_tokens
+
+    n_decoded, n_prompt = arun(server, run)
+    assert n_decoded > 8
+    assert wait_for(lambda: metrics(server)["onegpu_swap_space_used_cells{lane=fast}"] == 0, 30)
+    after = metrics(server)
+    aside = after["onegpu_side_prefill_tokens_total"] - before["onegpu_side_prefill_tokens_total"]
+    assert aside == n_prompt - 1  # the second prompt's (the first one's never came back)
