@@ -48,30 +48,32 @@ def first_logprob(r: Completion) -> float:
     return lp.token_logprobs[0]
 
 
+async def decode(c: AsyncOpenAI, decoding: asyncio.Event, done: asyncio.Event) -> list[float]:
+    """A user streaming a long answer: the arrival time of each token, `decoding` set at
+    its fourth (past a burst's first step), the stream closed once `done` is set."""
+    times: list[float] = []
+    stream = await c.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Tell a long story."}],
+        max_tokens=3000, temperature=0, stream=True,
+    )  # fmt: skip
+    async for ch in stream:
+        if ch.choices and ch.choices[0].delta.content:
+            times.append(time.monotonic())
+            if len(times) == 4:
+                decoding.set()
+            if done.is_set():
+                await stream.close()
+                break
+    return times
+
+
 def test_a_prompt_beyond_the_target_is_prefilled_aside_while_users_decode(server: Server) -> None:
     before = metrics(server)
 
     async def run(c: AsyncOpenAI) -> tuple[list[float], float, float, int, Completion]:
         decoding = asyncio.Event()
         long_done = asyncio.Event()
-
-        async def decoder() -> list[float]:
-            times: list[float] = []
-            stream = await c.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "Tell a long story."}],
-                max_tokens=3000, temperature=0, stream=True,
-            )  # fmt: skip
-            async for ch in stream:
-                if ch.choices and ch.choices[0].delta.content:
-                    times.append(time.monotonic())
-                    if len(times) == 4:
-                        decoding.set()
-                    if long_done.is_set():
-                        await stream.close()
-                        break
-            return times
-
-        task = asyncio.create_task(decoder())
+        task = asyncio.create_task(decode(c, decoding, long_done))
         await decoding.wait()
         t_sent = time.monotonic()
         r = await c.completions.create(
@@ -118,24 +120,7 @@ def test_a_client_gone_while_its_prompt_is_aside_frees_it_and_the_side_serves_th
     async def run(c: AsyncOpenAI) -> tuple[int, int]:
         decoding = asyncio.Event()
         done = asyncio.Event()
-
-        async def decoder() -> int:
-            n = 0
-            stream = await c.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "Tell a long story."}],
-                max_tokens=3000, temperature=0, stream=True,
-            )  # fmt: skip
-            async for ch in stream:
-                if ch.choices and ch.choices[0].delta.content:
-                    n += 1
-                    if n == 4:
-                        decoding.set()
-                    if done.is_set():
-                        await stream.close()
-                        break
-            return n
-
-        task = asyncio.create_task(decoder())
+        task = asyncio.create_task(decode(c, decoding, done))
         await decoding.wait()
         impatient = c.with_options(timeout=0.5)  # gone while its prompt is aside
         with pytest.raises(APITimeoutError):
@@ -143,7 +128,7 @@ def test_a_client_gone_while_its_prompt_is_aside_frees_it_and_the_side_serves_th
         r = await c.completions.create(model=MODEL, prompt=LONG, max_tokens=8, temperature=0)
         done.set()
         assert r.usage is not None and r.choices[0].finish_reason == "length"
-        return await task, r.usage.prompt_tokens
+        return len(await task), r.usage.prompt_tokens
 
     n_decoded, n_prompt = arun(server, run)
     assert n_decoded > 8
