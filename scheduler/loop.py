@@ -72,7 +72,7 @@ class EngineLoop:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._over_logged = -1.0  # when a step over the stall target was last logged
         self._over_unlogged = 0  # such steps since then (one line a second at most)
-        self._decode_s = 0.0  # a decode-only step's usual time (weighted mean), for the log
+        self._decode_s = 0.0  # a decode-only step's usual time (weighted mean), debug log
 
     def add_lane(self, name: str, scheduler: Scheduler, step: StepFn) -> None:
         """Another lane, stepped after the fast one in every iteration (before `start`)."""
@@ -233,20 +233,24 @@ class EngineLoop:
         stats.step_s = schedule_s + p3 - p1
         if stats.stall_target_s is not None and stats.step_s > stats.stall_target_s:
             self._log_over_target(stats, p2 - p1)
-        elif log.isEnabledFor(logging.DEBUG) and (
-            stats.step_shape[1] or stats.step_s > 2 * self._decode_s
-        ):  # auto's steps too, and decode steps twice the usual (what held them?)
+        elif log.isEnabledFor(logging.DEBUG):
+            self._log_step(stats, p2 - p1)
+        self._post(outputs, stats)
+
+    def _log_step(self, stats: StepStats, engine_s: float) -> None:
+        """At debug level: every step with prompt chunks (auto's too), and decode steps
+        twice their usual time (what held them?)."""
+        if stats.step_shape[1] or stats.step_s > 2 * self._decode_s:
             log.debug(
                 "planned step: %.1f ms (engine %.1f ms: decode %.1f, GIL wait %.1f, swap %.1f; "
                 "modelled %.1f ms; %d decode tokens, prompt chunks %s as (tokens, KV depth); "
                 "policy %s)",
-                1000 * stats.step_s, 1000 * (p2 - p1), 1000 * stats.decode_s,
+                1000 * stats.step_s, 1000 * engine_s, 1000 * stats.decode_s,
                 1000 * stats.gil_s, 1000 * stats.swap_s, 1000 * stats.modelled_s,
                 stats.step_shape[0], stats.step_shape[1], stats.chunk_policy,
             )  # fmt: skip
         if not stats.step_shape[1] and stats.step_shape[0]:
             self._decode_s += 0.1 * (stats.step_s - self._decode_s)
-        self._post(outputs, stats)
 
     def _log_over_target(self, stats: StepStats, engine_s: float) -> None:
         """Say that a step ran past --max-stall-ms, and why it might have: at most once a
