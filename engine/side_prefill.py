@@ -58,7 +58,6 @@ class SidePrefill:
         self._engine.swap.alloc = self._alloc
         self._jobs: queue.Queue[tuple[int, list[int]] | None] = queue.Queue()
         self._done: queue.Queue[SideDone] = queue.Queue()
-        self.ready = threading.Event()  # set when a prefill ends (an idle loop waits on it)
         self._pending = 0  # submitted, not yet collected by `finished`
         self._closing = threading.Event()  # a prefill under way stops at its next batch
         self.on_done: Callable[[], None] | None = None
@@ -77,9 +76,7 @@ class SidePrefill:
         self._jobs.put((key, tokens))
 
     def finished(self) -> list[SideDone]:
-        """The prefills that ended since the last call (never blocks). `ready` is cleared
-        before the queue is read: a prefill ending meanwhile sets it again, never lost."""
-        self.ready.clear()
+        """The prefills that ended since the last call (never blocks)."""
         out = []
         while True:
             try:
@@ -105,7 +102,6 @@ class SidePrefill:
             finally:  # its cells and sampler go: the next prompt starts afresh
                 self._engine.step(StepBatch([], released=[_SEQ]))
             self._done.put(SideDone(key, kv, len(tokens)))
-            self.ready.set()
             if self.on_done is not None:
                 try:
                     self.on_done()

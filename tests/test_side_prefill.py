@@ -4,6 +4,7 @@ the same prompt prefilled in place would (the embedded model, CPU)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -36,10 +37,12 @@ def test_a_prompt_prefilled_beside_the_decoders_continues_as_one_prefilled_in_pl
         decoder, in_place, moved = 1, 2, 3
         main.step(StepBatch([SeqChunk(decoder, [5, 6, 7], 0, True)],
                             [SeqStart(s, GREEDY) for s in (decoder, in_place, moved)]))  # fmt: skip
+        ended = threading.Event()
+        side.on_done = ended.set
         side.submit(42, prompt[:-1])
         assert side.busy
         pos, steps = 3, 0
-        while not side.ready.wait(0.0):  # the decoder keeps stepping meanwhile
+        while not ended.is_set():  # the decoder keeps stepping meanwhile
             main.step(StepBatch([SeqChunk(decoder, [9], pos, True)]))
             pos, steps = pos + 1, steps + 1
             assert steps < 10_000
@@ -54,8 +57,9 @@ def test_a_prompt_prefilled_beside_the_decoders_continues_as_one_prefilled_in_pl
         assert r.swap_in_failed == [] and r.swap_in_bytes > 0
         assert r.sampled[moved].token == r.sampled[in_place].token
         assert main.seq_pos_max(moved) == main.seq_pos_max(in_place) == 699
+        ended.clear()
         side.submit(43, prompt[:100])  # the side context is free for the next prompt
-        side.ready.wait(60)
+        ended.wait(60)
         (again,) = side.finished()
         assert again.kv is not None and len(again.kv) < len(done.kv)
     finally:
