@@ -61,6 +61,15 @@ run() {  # name, command...
   "$@" >> "$R/$name.txt" 2> "$R/$name.log"
   echo "rc=$? seconds=$((SECONDS - t0))" >> "$R/$name.txt"
 }
+stall16k() {  # name, seconds (0: no limit), bench.stall options...: the experts-in-RAM stall
+  local name=$1 limit=$2; shift 2
+  run "$name" timeout "$limit" python3 -m bench.stall --gpu --model "$MODEL" \
+    --prompt-tokens 16384 --decoders 4 --cpu-moe "$@"
+}
+step_log() {  # our server's planned steps and side prefills, from the last stall's log
+  d=$(ls -dt /tmp/onegpu-stall-* | head -1)
+  grep -E "planned step|side prefill" "$d/ours.log" | cut -c1-260 > "$R/side-steps.txt"
+}
 # the kit must serve before anything is measured: our server on the synthetic model, with
 # the routed-expert cache, answers one request (else the run stops here, saying why)
 if [ -f "$CURVE_MODEL" ]; then
@@ -79,8 +88,7 @@ for s in "${steps[@]}"; do
       --concurrency 1 4 8 16 32 --isl 128 --osl 128 --waves 2 --lockstep-waves 2 --repeats 2 ;;
     stall) run stall python3 -m bench.stall --gpu --peer-bin "$PEER_BIN" --model "$MODEL" \
       --prompt-tokens 65000 --decoders 4 ;;
-    stall-cpumoe) run stall-cpumoe python3 -m bench.stall --gpu --peer-bin "$PEER_BIN" \
-      --model "$MODEL" --prompt-tokens 16384 --decoders 4 --cpu-moe ;;
+    stall-cpumoe) stall16k stall-cpumoe 0 --peer-bin "$PEER_BIN" ;;
     native) run engine python3 -m bench.engine_step --model "$MODEL" --concurrency 1 8 32 \
       --modes host-greedy typical --steps 200 ;;
     engine-quick) run engine python3 -m bench.engine_step --model "$MODEL" --concurrency 8 32 \
@@ -92,8 +100,7 @@ for s in "${steps[@]}"; do
     stall-cpumoe-ours)  # the experts-in-RAM stall, ours only, CPUMOE_REPEATS (2) times more,
       # each step traced (--log-level debug; the server logs stay under /tmp/onegpu-stall-*)
       for i in $(seq 2 $((1 + ${CPUMOE_REPEATS:-2}))); do
-        run "stall-cpumoe-$i" python3 -m bench.stall --gpu --model "$MODEL" --prompt-tokens 16384 \
-          --decoders 4 --cpu-moe --no-peer --ours-args="--log-level debug"
+        stall16k "stall-cpumoe-$i" 0 --no-peer --ours-args="--log-level debug"
       done ;;
     stall-ours) run stall python3 -m bench.stall --gpu --model "$MODEL" --prompt-tokens 65000 \
       --decoders 4 --no-peer ;;
@@ -156,13 +163,11 @@ for s in "${steps[@]}"; do
     stall24)  # issue 24: the stall policy, each with llama-server in the same run
       run stall python3 -m bench.stall --gpu --peer-bin "$PEER_BIN" --model "$MODEL" \
         --prompt-tokens 65000 --decoders 4
-      run stall-cpumoe python3 -m bench.stall --gpu --peer-bin "$PEER_BIN" \
-        --model "$MODEL" --prompt-tokens 16384 --decoders 4 --cpu-moe ;;
+      stall16k stall-cpumoe 0 --peer-bin "$PEER_BIN" ;;
     issue32)  # issue 32 on the model whose tokens use every expert: the experts-in-RAM 16K
       # stall, the chat and burst all on the GPU, then with the experts in RAM (bounded:
       # each of llama-server's 512-row batches copies every expert, ~16 GB)
-      run stall-cpumoe timeout 420 python3 -m bench.stall --gpu --peer-bin "$PEER_BIN" \
-        --model "$MODEL" --prompt-tokens 16384 --decoders 4 --cpu-moe
+      stall16k stall-cpumoe 420 --peer-bin "$PEER_BIN"
       run multiturn timeout 300 python3 -m bench.multiturn --gpu --peer-bin "$PEER_BIN" \
         --model "$MODEL" --n-ctx 139264 --peer-args "--cache-ram 0" --scenario-timeout 120 \
         --json "$R/multiturn.json"
@@ -171,23 +176,17 @@ for s in "${steps[@]}"; do
         --scenario-timeout 180 --json "$R/multiturn-cpumoe.json" ;;
     side-serve)  # issue 32: the served side context (auto with --cpu-moe on a GPU): the
       # experts-in-RAM 16K stall, then the experts-in-RAM chat and burst
-      run stall-cpumoe timeout 420 python3 -m bench.stall --gpu --peer-bin "$PEER_BIN" \
-        --model "$MODEL" --prompt-tokens 16384 --decoders 4 --cpu-moe
+      stall16k stall-cpumoe 420 --peer-bin "$PEER_BIN"
       run multiturn-cpumoe timeout 560 python3 -m bench.multiturn --gpu --cpu-moe \
         --peer-bin "$PEER_BIN" --model "$MODEL" --n-ctx 139264 --peer-args "--cache-ram 0" \
         --scenario-timeout 180 --json "$R/multiturn-cpumoe.json" ;;
     side-stall)  # issue 32: the experts-in-RAM 16K stall, ours logging its slow steps
-      run stall-cpumoe timeout 420 python3 -m bench.stall --gpu --peer-bin "$PEER_BIN" \
-        --model "$MODEL" --prompt-tokens 16384 --decoders 4 --cpu-moe \
+      stall16k stall-cpumoe 420 --peer-bin "$PEER_BIN" \
         --ours-args "--repro-slots 0 --log-level debug"
-      d=$(ls -dt /tmp/onegpu-stall-* | head -1)
-      grep -E "planned step|side prefill" "$d/ours.log" | cut -c1-260 > "$R/side-steps.txt" ;;
+      step_log ;;
     side-stall-ours)  # side-stall, ours only (when little device time is left)
-      run stall-cpumoe-ours timeout 200 python3 -m bench.stall --gpu --no-peer \
-        --model "$MODEL" --prompt-tokens 16384 --decoders 4 --cpu-moe \
-        --ours-args "--repro-slots 0 --log-level debug"
-      d=$(ls -dt /tmp/onegpu-stall-* | head -1)
-      grep -E "planned step|side prefill" "$d/ours.log" | cut -c1-260 > "$R/side-steps.txt" ;;
+      stall16k stall-cpumoe-ours 200 --no-peer --ours-args "--repro-slots 0 --log-level debug"
+      step_log ;;
     side)  # issue 32: a second context prefills the 16K prompt beside the decoders (engine
       # alone), experts in RAM, then all on the GPU
       run side-cpumoe timeout 300 python3 -m bench.side_prefill --model "$MODEL" --cpu-moe --ubatch 2048 \
