@@ -18,7 +18,6 @@ the token the in-place prefill does.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import statistics
 import threading
@@ -115,16 +114,17 @@ def main(argv: list[str] | None = None) -> None:
               f"its steps {_ms(side_steps)}; prompt {side_s:.1f} s")  # fmt: skip
 
         own = side.step(StepBatch([SeqChunk(0, [nxt], n, True)])).sampled[0].token
-        src, dst = side.llama_seq(0), main_engine.llama_seq(MOVED)
-        size = ll.llama_state_seq_get_size_ext(side_ctx.ctx, src, 0)
-        buf = (ctypes.c_uint8 * size)()
+        # the move as the server makes it: the side store saves, the main store restores
         t = time.perf_counter()
-        got = ll.llama_state_seq_get_data_ext(side_ctx.ctx, buf, size, src, 0)
+        size = side.swap.save(0, side.llama_seq(0))
         get_s = time.perf_counter() - t
+        moved = side.swap.take(0)
+        assert moved is not None
+        main_engine.swap.put(0, moved)
         t = time.perf_counter()
-        put = ll.llama_state_seq_set_data_ext(main_engine.context.ctx, buf, size, dst, 0)
+        put = main_engine.swap.restore(0, main_engine.llama_seq(MOVED))
         put_s = time.perf_counter() - t
-        print(f"move: {size / 2**20:.0f} MiB, read {1000 * get_s:.0f} ms ({got == size}), "
+        print(f"move: {size / 2**20:.0f} MiB, read {1000 * get_s:.0f} ms ({size > 0}), "
               f"write {1000 * put_s:.0f} ms ({put == size})")  # fmt: skip
 
         for d in range(0, n, args.chunk):  # alone here, chunked as in the second context
