@@ -69,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--no-mmap", action="store_true",
                    help="read the model into memory instead of mapping it (tensors in RAM "
                    "can then be repacked for faster CPU matmuls)")  # fmt: skip
+    s.add_argument("--pin-experts", action="store_true",
+                   help="keep the tensors in host RAM in page-locked memory (implies "
+                   "--no-mmap): a GPU copies them for large batches by DMA")  # fmt: skip
     s.add_argument(
         "--plan", type=Path, metavar="FILE",
         help="apply a plan saved by `one-gpu plan --json` instead of planning",
@@ -475,6 +478,7 @@ def serve_settings(args: argparse.Namespace) -> ServerSettings:
         expert_cache_fill=None if counts is None else str(counts),
         expert_cache_uploads=args.expert_cache_uploads,
         use_mmap=not args.no_mmap,
+        pin_host_tensors=args.pin_experts,
         side_prefill_ctx=args.side_prefill_ctx,
     )
     lanes = LaneOptions(

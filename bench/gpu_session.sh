@@ -66,9 +66,9 @@ stall16k() {  # name, seconds (0: no limit), bench.stall options...: the experts
   run "$name" timeout "$limit" python3 -m bench.stall --gpu --model "$MODEL" \
     --prompt-tokens 16384 --decoders 4 --cpu-moe "$@"
 }
-step_log() {  # our server's planned steps and side prefills, from the last stall's log
+step_log() {  # [NAME]: our server's planned steps and side prefills, from the last stall's log
   d=$(ls -dt /tmp/onegpu-stall-* | head -1)
-  grep -E "planned step|side prefill" "$d/ours.log" | cut -c1-260 > "$R/side-steps.txt"
+  grep -E "planned step|side prefill" "$d/ours.log" | cut -c1-260 > "$R/${1:-side}-steps.txt"
 }
 # the kit must serve before anything is measured: our server on the synthetic model, with
 # the routed-expert cache, answers one request (else the run stops here, saying why)
@@ -187,6 +187,10 @@ for s in "${steps[@]}"; do
     side-stall-ours)  # side-stall, ours only (when little device time is left)
       stall16k stall-cpumoe-ours 200 --no-peer --ours-args "--repro-slots 0 --log-level debug"
       step_log ;;
+    side-stall-pinned)  # side-stall-ours, the experts in RAM page-locked (--pin-experts)
+      stall16k stall-cpumoe-pinned 240 --no-peer \
+        --ours-args "--repro-slots 0 --log-level debug --pin-experts"
+      step_log pinned ;;
     side)  # issue 32: a second context prefills the 16K prompt beside the decoders (engine
       # alone), experts in RAM, then all on the GPU
       run side-cpumoe timeout 300 python3 -m bench.side_prefill --model "$MODEL" --cpu-moe --ubatch 2048 \

@@ -72,6 +72,10 @@ class EngineConfig:
     # host RAM can be repacked for the CPU's matmul kernels (llama.cpp warns that overrides
     # to the CPU with mmap cost speed); mapped, they are shared with the page cache.
     use_mmap: bool = True
+    # The tensors kept in host RAM in the GPU's page-locked memory (read, never mapped):
+    # the side context's prompt batches copy every routed expert to the GPU, and from
+    # pageable memory those copies run on a CPU core beside the decoders' expert matmuls.
+    pin_host_tensors: bool = False
     # A second context of this many tokens prefills long prompts beside the shared lane's
     # steps (engine.side_prefill) where no step carrying them could keep the stall target:
     # with routed experts in host RAM every prompt batch copies them to the GPU. 0 = none;

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from engine.placement import GPU_TYPES, ggml_devices
+from engine.placement import ggml_devices, gpu_host_buffer_type
 
 log = logging.getLogger(__name__)
 
@@ -53,18 +53,11 @@ class PinnedStaging:
 
     def __init__(self, ll: Any, capacity: int) -> None:
         self._g = g = ggml_devices(ll)
-        g.ggml_backend_dev_host_buffer_type.restype = ctypes.c_void_p
-        g.ggml_backend_dev_host_buffer_type.argtypes = [ctypes.c_void_p]
         g.ggml_backend_buft_alloc_buffer.restype = ctypes.c_void_p
         g.ggml_backend_buft_alloc_buffer.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         g.ggml_backend_buffer_get_base.restype = ctypes.c_void_p
         g.ggml_backend_buffer_get_base.argtypes = [ctypes.c_void_p]
-        buft = None
-        for i in range(g.ggml_backend_dev_count()):
-            dev = g.ggml_backend_dev_get(i)
-            if g.ggml_backend_dev_type(dev) in GPU_TYPES:
-                buft = g.ggml_backend_dev_host_buffer_type(dev)
-                break
+        buft = gpu_host_buffer_type(g)
         self._base = 0
         self.capacity = 0
         self._lent = False

@@ -52,6 +52,19 @@ def ggml_devices(ll: Any) -> ctypes.CDLL:
     return g
 
 
+def gpu_host_buffer_type(g: ctypes.CDLL) -> int | None:
+    """The first GPU's host buffer type (page-locked memory: `cudaHostAlloc` on CUDA), or
+    None without a GPU. `g` is `ggml_devices(ll)`."""
+    g.ggml_backend_dev_host_buffer_type.restype = ctypes.c_void_p
+    g.ggml_backend_dev_host_buffer_type.argtypes = [ctypes.c_void_p]
+    for i in range(g.ggml_backend_dev_count()):
+        dev = g.ggml_backend_dev_get(i)
+        if g.ggml_backend_dev_type(dev) in GPU_TYPES:
+            buft: int | None = g.ggml_backend_dev_host_buffer_type(dev)
+            return buft
+    return None
+
+
 def cpu_buffer_type(ll: Any) -> int:
     ggml = libggml(ll)
     ggml.ggml_backend_dev_by_type.restype = ctypes.c_void_p
@@ -67,17 +80,25 @@ def cpu_buffer_type(ll: Any) -> int:
 
 class CpuOverrides:
     """Tensors matching any of `patterns` stay in host RAM; pass `.pointer` as
-    `tensor_buft_overrides` and keep this object alive until the model has loaded."""
+    `tensor_buft_overrides` and keep this object alive until the model has loaded.
 
-    def __init__(self, ll: Any, patterns: list[str]) -> None:
-        buft = cpu_buffer_type(ll)
+    `pinned`: in the GPU's page-locked host memory instead of plain memory, so the copies a
+    large batch makes of them (llama.cpp offloads a host tensor's matmul to the GPU past 32
+    rows) go by DMA rather than through the driver's staging on a CPU core. llama.cpp maps
+    such a buffer type back to plain memory when the file is mapped: the load must read."""
+
+    def __init__(self, ll: Any, patterns: list[str], pinned: bool = False) -> None:
+        host = gpu_host_buffer_type(ggml_devices(ll)) if pinned else None
+        if pinned and host is None:
+            log.warning("no GPU: tensors in host RAM stay in plain memory")
+        buft = host or cpu_buffer_type(ll)
         self._patterns = [p.encode() for p in patterns]  # owned: the array points into them
         self._array = (_Override * (len(patterns) + 1))()
         for i, p in enumerate(self._patterns):
             self._array[i].pattern = p
             self._array[i].buft = buft
         self._array[len(patterns)].pattern = None  # terminator
-        log.info("tensors in host RAM: %s", " | ".join(patterns))
+        log.info("tensors in %shost RAM: %s", "page-locked " if host else "", " | ".join(patterns))
 
     @property
     def pointer(self) -> ctypes.c_void_p:
