@@ -66,12 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--cpu-moe", action="store_true",
                    help="keep every routed expert in host RAM (llama.cpp's --cpu-moe)")  # fmt: skip
     _plan_options(s)
-    s.add_argument("--no-mmap", action="store_true",
-                   help="read the model into memory instead of mapping it (tensors in RAM "
-                   "can then be repacked for faster CPU matmuls)")  # fmt: skip
-    s.add_argument("--pin-experts", action="store_true",
-                   help="keep the tensors in host RAM in page-locked memory (implies "
-                   "--no-mmap): a GPU copies them for large batches by DMA")  # fmt: skip
+    s.add_argument("--mmap", action=argparse.BooleanOptionalAction, default=None,
+                   help="map the model file, or read it into memory (default: read where a "
+                   "GPU computes with tensors in host RAM: page-locked, DMA copies)")  # fmt: skip
     s.add_argument(
         "--plan", type=Path, metavar="FILE",
         help="apply a plan saved by `one-gpu plan --json` instead of planning",
@@ -477,8 +474,7 @@ def serve_settings(args: argparse.Namespace) -> ServerSettings:
         expert_cache_admission=max(0.0, args.expert_cache_admission),
         expert_cache_fill=None if counts is None else str(counts),
         expert_cache_uploads=args.expert_cache_uploads,
-        use_mmap=not args.no_mmap,
-        pin_host_tensors=args.pin_experts,
+        use_mmap=args.mmap,
         side_prefill_ctx=args.side_prefill_ctx,
     )
     lanes = LaneOptions(

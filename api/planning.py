@@ -102,7 +102,36 @@ def plan_wide(meta: ModelMeta, req: PlanRequest, n_batch: int) -> Plan:
 def plan_for_serve(
     cfg: EngineConfig, req: PlanRequest, plan_file: Path | None, wide_batches: bool = False
 ) -> tuple[EngineConfig, Plan | None]:
-    """Plan (or load a saved plan) and return the engine config that applies it.
+    """Plan (or load a saved plan) and return the engine config that applies it, its load
+    mode decided (`load_mode`) by where the placement leaves the weights."""
+    on_gpu = cfg.n_gpu_layers != 0 and bool(llama().llama_supports_gpu_offload())
+    cfg, plan = _placed(cfg, req, plan_file, wide_batches, on_gpu)
+    layers_on_cpu = 0 < cfg.n_gpu_layers <= read_meta(cfg.model_path).n_layer
+    return load_mode(cfg, on_gpu and (bool(cfg.cpu_tensors) or layers_on_cpu)), plan
+
+
+def load_mode(cfg: EngineConfig, host_weights_on_gpu: bool) -> EngineConfig:
+    """`cfg` with mapping decided: as given, or (None) read where a GPU computes with weights
+    in host RAM — llama.cpp then keeps them in the GPU's page-locked host memory, and the
+    copies every large batch makes of them go by DMA, not through the driver's staging of
+    file-backed pages: a 16K prompt with every routed expert in RAM took 4.1 s to its first
+    token read and 16.9 s mapped (H100, docs/benchmarks.md). Mapped elsewhere: the page
+    cache shares the file and the load is lazy."""
+    if cfg.use_mmap is not None:
+        return cfg
+    if host_weights_on_gpu:
+        log.info("weights in host RAM on a GPU: the model is read into page-locked memory")
+    return replace(cfg, use_mmap=not host_weights_on_gpu)
+
+
+def _placed(
+    cfg: EngineConfig,
+    req: PlanRequest,
+    plan_file: Path | None,
+    wide_batches: bool,
+    on_gpu: bool,
+) -> tuple[EngineConfig, Plan | None]:
+    """The placement: a plan made, loaded, or none (by hand).
 
     No plan when the operator placed tensors by hand (`--cpu-experts`/`--cpu-moe`), or when
     there is no GPU and no budget was given (everything is in host RAM anyway).
@@ -110,7 +139,6 @@ def plan_for_serve(
     batch is the step's (`plan_wide` says why). The side context (`side_context`) is
     sized here too: its KV and buffers are VRAM the plan reserves.
     """
-    on_gpu = cfg.n_gpu_layers != 0 and bool(llama().llama_supports_gpu_offload())
     wide = wide_batches and on_gpu and cfg.n_batch > cfg.n_ubatch
     if plan_file is None and cfg.cpu_tensors:
         log.info("tensor placement by hand (%s): not planning", " | ".join(cfg.cpu_tensors))

@@ -187,10 +187,10 @@ for s in "${steps[@]}"; do
     side-stall-ours)  # side-stall, ours only (when little device time is left)
       stall16k stall-cpumoe-ours 200 --no-peer --ours-args "--repro-slots 0 --log-level debug"
       step_log ;;
-    side-stall-pinned)  # side-stall-ours, the experts in RAM page-locked (--pin-experts)
-      stall16k stall-cpumoe-pinned 240 --no-peer \
-        --ours-args "--repro-slots 0 --log-level debug --pin-experts"
-      step_log pinned ;;
+    side-stall-peer)  # side-stall, llama-server given -lm none (read, as ours by default)
+      stall16k stall-cpumoe-peer 300 --peer-bin "$PEER_BIN" \
+        --ours-args "--repro-slots 0 --log-level debug" --peer-args="-lm none"
+      step_log ;;
     side)  # issue 32: a second context prefills the 16K prompt beside the decoders (engine
       # alone), experts in RAM, then all on the GPU
       run side-cpumoe timeout 300 python3 -m bench.side_prefill --model "$MODEL" --cpu-moe --ubatch 2048 \

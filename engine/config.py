@@ -69,13 +69,10 @@ class EngineConfig:
     # before any request: --pick-counts, or the counts a previous run saved (engine.pick_store).
     expert_cache_fill: str | None = None
     # Map the file (llama.cpp's default) or read it into memory. Read, the tensors kept in
-    # host RAM can be repacked for the CPU's matmul kernels (llama.cpp warns that overrides
-    # to the CPU with mmap cost speed); mapped, they are shared with the page cache.
-    use_mmap: bool = True
-    # The tensors kept in host RAM in the GPU's page-locked memory (read, never mapped):
-    # the side context's prompt batches copy every routed expert to the GPU, and from
-    # pageable memory those copies run on a CPU core beside the decoders' expert matmuls.
-    pin_host_tensors: bool = False
+    # host RAM go to the GPU's page-locked host memory (on a CPU: may be repacked for its
+    # matmul kernels); mapped, they are shared with the page cache. None: the placement
+    # decides (`api.planning.load_mode`).
+    use_mmap: bool | None = True
     # A second context of this many tokens prefills long prompts beside the shared lane's
     # steps (engine.side_prefill) where no step carrying them could keep the stall target:
     # with routed experts in host RAM every prompt batch copies them to the GPU. 0 = none;

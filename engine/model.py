@@ -43,17 +43,14 @@ class Model:
             raise ModelLoadError(f"model file not found: {path}")
         mparams = ll.llama_model_default_params()
         mparams.n_gpu_layers = cfg.n_gpu_layers
-        if not cfg.use_mmap or cfg.pin_host_tensors:  # a plain read (llama.cpp's --load-mode none)
+        if cfg.use_mmap is False:  # a plain read (llama.cpp's --load-mode none)
             mparams.load_mode = ll.LLAMA_LOAD_MODE_NONE
         if cfg.expert_cache_slots > 0:
             # Tensors kept in host RAM in plain buffers, never repacked for the CPU's kernels
             # (llama.cpp repacks Q4_0 and others on AVX2 hosts, even mapped): the cache's
             # bank takes byte copies of GGUF expert slices, and a repacked tensor is not one.
             mparams.use_extra_bufts = False
-        overrides = (
-            CpuOverrides(ll, list(cfg.cpu_tensors), cfg.pin_host_tensors)
-            if cfg.cpu_tensors else None
-        )  # fmt: skip
+        overrides = CpuOverrides(ll, list(cfg.cpu_tensors)) if cfg.cpu_tensors else None
         if overrides is not None:
             mparams.tensor_buft_overrides = overrides.pointer
         if progress is not None:

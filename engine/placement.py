@@ -82,23 +82,18 @@ class CpuOverrides:
     """Tensors matching any of `patterns` stay in host RAM; pass `.pointer` as
     `tensor_buft_overrides` and keep this object alive until the model has loaded.
 
-    `pinned`: in the GPU's page-locked host memory instead of plain memory, so the copies a
-    large batch makes of them (llama.cpp offloads a host tensor's matmul to the GPU past 32
-    rows) go by DMA rather than through the driver's staging on a CPU core. llama.cpp maps
-    such a buffer type back to plain memory when the file is mapped: the load must read."""
+    llama.cpp takes an override to the CPU buffer type as "host RAM" and picks the buffer
+    type itself: on a GPU host, read (not mapped), the GPU's page-locked host memory."""
 
-    def __init__(self, ll: Any, patterns: list[str], pinned: bool = False) -> None:
-        host = gpu_host_buffer_type(ggml_devices(ll)) if pinned else None
-        if pinned and host is None:
-            log.warning("no GPU: tensors in host RAM stay in plain memory")
-        buft = host or cpu_buffer_type(ll)
+    def __init__(self, ll: Any, patterns: list[str]) -> None:
+        buft = cpu_buffer_type(ll)
         self._patterns = [p.encode() for p in patterns]  # owned: the array points into them
         self._array = (_Override * (len(patterns) + 1))()
         for i, p in enumerate(self._patterns):
             self._array[i].pattern = p
             self._array[i].buft = buft
         self._array[len(patterns)].pattern = None  # terminator
-        log.info("tensors in %shost RAM: %s", "page-locked " if host else "", " | ".join(patterns))
+        log.info("tensors in host RAM: %s", " | ".join(patterns))
 
     @property
     def pointer(self) -> ctypes.c_void_p:

@@ -487,3 +487,43 @@ def test_serve_opens_a_side_context_where_a_gpu_computes_prompts_with_experts_in
         assert plan.options.kv_tokens == 4096 + side and plan.vram_used <= parse_size(budget)
     given = replace(by_hand, side_prefill_ctx=1000)
     assert planning.plan_for_serve(given, req, None)[0].side_prefill_ctx == 1000
+
+
+def test_serve_reads_the_model_where_a_gpu_computes_with_weights_in_host_ram(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--mmap` left unset: read (llama.cpp then keeps host-RAM weights in the GPU's
+    page-locked memory, and prompt batches copy them by DMA) where a GPU computes with
+    weights in host RAM — experts by hand or by the plan, or layers kept on the CPU; mapped
+    with every weight on the GPU and without a GPU; `--mmap`/`--no-mmap` taken as given."""
+    from dataclasses import replace
+
+    import api.planning as planning
+    from engine.config import EngineConfig
+    from engine.placement import CPU_MOE
+
+    class Gpu:
+        def llama_supports_gpu_offload(self) -> bool:
+            return True
+
+    model = str(write_qwen3moe(tmp_path / "m.gguf", shape=Shape(n_expert=32)))
+    auto = EngineConfig(model_path=model, use_mmap=None)
+    by_hand = replace(auto, cpu_tensors=(CPU_MOE,))
+    req = planning.PlanRequest()
+
+    def mapped(cfg: EngineConfig, req: planning.PlanRequest = req) -> bool | None:
+        return planning.plan_for_serve(cfg, req, None)[0].use_mmap
+
+    assert mapped(by_hand) is True  # this test machine has no GPU
+    monkeypatch.setattr(planning, "llama", Gpu)
+    assert mapped(by_hand) is False
+    assert mapped(replace(auto, n_gpu_layers=1)) is False
+    assert mapped(auto, planning.PlanRequest(vram_budget="64GiB")) is True  # all fits
+    meta = read_meta(model)
+    whole = planning.plan_model(meta, planning.PlanRequest(vram_budget="64GiB"))
+    experts = sum(t.nbytes for t in whole.tensors if EXPERT.search(t.name))
+    tight = planning.PlanRequest(vram_budget=str(whole.vram_used - experts // 2),
+                                 ram_budget="64GiB")  # fmt: skip
+    assert mapped(auto, tight) is False
+    assert mapped(replace(by_hand, use_mmap=True)) is True
+    assert mapped(replace(auto, use_mmap=False), planning.PlanRequest(vram_budget="64GiB")) is False
