@@ -17,7 +17,8 @@
 #   (the chat with experts in RAM, our default target), issue32 (the experts-in-RAM stall,
 #   multiturn all-GPU and experts in RAM, each bounded), side (bench.side_prefill),
 #   side-serve (the served side context: the experts-in-RAM stall and chat), side-stall
-#   (the stall alone, our slow steps logged), typical (the sampled throughput
+#   (the stall alone, our slow steps logged; side-stall-peer: llama-server reading the
+#   model, as ours does there by default), typical (the sampled throughput
 #   rows), ubatch-ab (experts in RAM: physical
 #   batches of 512 and 2048 rows), cache-cuda and cache-curve (the routed-expert cache on
 #   the GPU: its tests, then bench.routing_curve; with .gpu-pre/ from
