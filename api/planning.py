@@ -114,7 +114,7 @@ def load_mode(cfg: EngineConfig, host_weights_on_gpu: bool) -> EngineConfig:
     """`cfg` with mapping decided: as given, or (None) read where a GPU computes with weights
     in host RAM — llama.cpp then keeps them in the GPU's page-locked host memory, and the
     copies every large batch makes of them go by DMA, not through the driver's staging of
-    file-backed pages: a 16K prompt with every routed expert in RAM took 4.1 s to its first
+    file-backed pages: a 16K prompt with every routed expert in RAM took 3.9 s to its first
     token read and 16.9 s mapped (H100, docs/benchmarks.md). Mapped elsewhere: the page
     cache shares the file and the load is lazy."""
     if cfg.use_mmap is not None:
