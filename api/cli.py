@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -110,7 +111,8 @@ def _parser() -> argparse.ArgumentParser:
         "than recomputing it; 0 = always recompute)",
     )  # fmt: skip
     s.add_argument(
-        "--side-prefill-ctx", type=_side_ctx, default=SIDE_AUTO, metavar="N|auto",
+        "--side-prefill-ctx", type=_count_or_auto(SIDE_AUTO, "tokens"), default=SIDE_AUTO,
+        metavar="N|auto",
         help="a second context of N tokens prefills long prompts beside the decoders where "
         "no step carrying them keeps --max-stall-ms (0 = none; auto: up to 32768 where a "
         "GPU computes prompts with routed experts in host RAM)",
@@ -248,7 +250,7 @@ def _plan_options(p: argparse.ArgumentParser) -> None:
         "(default 384MiB, measured on an H200 with CUDA 13)",
     )  # fmt: skip
     p.add_argument(
-        "--expert-cache-slots", type=_slots, default=AUTO, metavar="N|auto",
+        "--expert-cache-slots", type=_count_or_auto(AUTO, "slots"), default=AUTO, metavar="N|auto",
         help="experts a layer the GPU caches for layers whose experts are in host RAM "
         "(default auto: on a GPU the plan splits the experts' VRAM between whole layers and "
         "slots; no cache without a GPU or with experts placed by hand; 0 = off)",
@@ -274,16 +276,18 @@ def _state_dir(text: str) -> Path | None:
     return None if text == "none" else Path(text)
 
 
-def _slots(text: str) -> int:
-    if text == "auto":
-        return AUTO
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a number of slots (N >= 0, or auto)")
-    return n
+def _count_or_auto(auto: int, unit: str) -> Callable[[str], int]:
+    """An argparse type for `N|auto` options: N >= 0, or `auto` as the option's sentinel."""
+
+    def parse(text: str) -> int:
+        if text == "auto":
+            return auto
+        n = int(text) if text.isdigit() else -1
+        if n < 0:
+            raise argparse.ArgumentTypeError(f"{text} is not a number of {unit} (N >= 0, or auto)")
+        return n
+
+    return parse
 
 
 def _pick_counts(args: argparse.Namespace, model_path: str | None) -> Path | None:
@@ -421,14 +425,6 @@ def _serve(args: argparse.Namespace) -> None:
 
     settings = serve_settings(args)
     serve(build_app(settings), settings, args.host, args.port, args.log_level)
-
-
-def _side_ctx(v: str) -> int:
-    if v == "auto":
-        return SIDE_AUTO
-    if not v.isdigit():
-        raise argparse.ArgumentTypeError(f"{v} is not a number of tokens or auto")
-    return int(v)
 
 
 def _non_negative(v: str) -> float:
