@@ -46,7 +46,7 @@ NATIVE := $(TAP) $(STEP)
 # (deploy/Dockerfile: x86-64-v3).
 MARCH ?= native
 
-.PHONY: install native prometheus serve test check bench bench-stall bench-repro bench-kv bench-multiturn fuzz soak model clean
+.PHONY: install native peers prometheus serve test check bench bench-stall bench-repro bench-kv bench-multiturn fuzz soak model clean
 
 install: $(STAMP) $(NATIVE)
 
@@ -86,8 +86,14 @@ model: $(STAMP)
 serve: $(STAMP) $(NATIVE) model
 	$(VENV)/bin/one-gpu serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
-test: $(STAMP) $(NATIVE) prometheus
+test: $(STAMP) $(NATIVE) prometheus peers
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# llama.cpp's own llama-server, llama-batched-bench and llama-perplexity, built once into
+# .bench/ from the same sources (bench/peers.py): the tests that run the benchmarks against
+# them find them there, so the suite's time is the tests', not a compiler's.
+peers: $(STAMP)
+	$(PY) -m bench.peers
 
 # Debian's prometheus (and promtool) for the monitoring tests (tests/test_monitoring.py);
 # where it cannot be installed (not root, no apt) those tests are skipped and say why.

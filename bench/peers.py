@@ -119,3 +119,16 @@ def ensure_peers(cache: Path, *, cuda: bool) -> Peers:
     for name in ("llama-server", "llama-batched-bench", "llama-perplexity"):
         shutil.copy2(build / "bin" / name, out / name)
     return peers
+
+
+def main() -> None:
+    """`python -m bench.peers`: build the peers now, for this machine (`make test` does
+    this before the tests, so a clean clone's suite times tests, not a compiler)."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cache = Path(sys.argv[1] if len(sys.argv) > 1 else ".bench").resolve()
+    peers = ensure_peers(cache, cuda=shutil.which("nvidia-smi") is not None)
+    log.info("peers ready: %s", peers.server.parent)
+
+
+if __name__ == "__main__":
+    main()

@@ -61,13 +61,45 @@ def metrics(server: Server) -> dict[str, float]:
     return out
 
 
-def wait_for(pred: Any, timeout_s: float) -> bool:
+HANG_S = 120.0  # how long an event may take before a test calls it a hang
+
+
+def wait_for(pred: Any, timeout_s: float = HANG_S) -> bool:
+    """Poll `pred` until it holds. The timeout only turns a hang into a failure: what is
+    waited for is an event (a metric that changes), never a duration."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if pred():
             return True
-        time.sleep(0.02)  # polling a condition, bounded by the deadline
+        time.sleep(0.05)  # polling a condition, bounded by the deadline
     return bool(pred())
+
+
+def metrics_when(server: Server, pred: Callable[[dict[str, float]], bool]) -> dict[str, float]:
+    """The first /metrics read that satisfies `pred` (waited for as an event)."""
+    got: dict[str, float] = {}
+
+    def check() -> bool:
+        nonlocal got
+        got = metrics(server)
+        return pred(got)
+
+    assert wait_for(check), got
+    return got
+
+
+def settled_within_one_step(server: Server) -> dict[str, float]:
+    """Once no request runs or waits, the KV books must show every cell that is not cache
+    free at once, or after the one step that sends the releases — never only when more
+    traffic comes. Returns the settled metrics."""
+    lane = "{lane=fast}"
+    idle = metrics_when(server, lambda m: m[f"onegpu_requests_running{lane}"] == 0
+                        and m[f"onegpu_requests_waiting{lane}"] == 0)  # fmt: skip
+    books = metrics_when(server, lambda m: m[f"onegpu_kv_cache_used_cells{lane}"]
+                         == m[f"onegpu_kv_cache_cached_cells{lane}"])  # fmt: skip
+    steps = books[f"onegpu_lane_steps_total{lane}"] - idle[f"onegpu_lane_steps_total{lane}"]
+    assert steps <= 1, f"the books settled {steps:g} steps after the last request left"
+    return books
 
 
 def test_models_lists_the_served_model(server: Server) -> None:
@@ -354,15 +386,13 @@ def test_long_prompt_is_chunked_while_others_keep_decoding(server: Server) -> No
         during = [t for t in times if t_sent < t < t_done]
         assert len(during) >= 10, "decoders kept receiving tokens during the prefill"
         gaps = [b - a for a, b in itertools.pairwise(during)]
-        assert statistics.median(gaps) <= STALL_TARGET_S
-        # The target bounds the modelled step; model lag and delivery to the client add
-        # jitter, and on two cores shared with this client one step in a run can take
-        # twice its model (the OS parks one of ggml's two threads: 448 ms measured for a
-        # step modelled at 206) — so all gaps but the longest within 1.5x the target, and
-        # that one below an unbounded 512-token chunk's ~0.8 s.
-        gaps.sort()
-        assert gaps[-2] <= 1.5 * STALL_TARGET_S, f"decoders waited {gaps[-2:]} s"
-        assert gaps[-1] <= 2.4 * STALL_TARGET_S, f"a decoder waited {gaps[-1]:.3f} s"
+        # The target bounds the modelled step, and the model learns this machine's speed as
+        # it goes, loaded or not: the usual gap is the target's. A single step can still
+        # take several times its model where the OS parks one of ggml's threads, so the
+        # longest gap is held to the prefill it interrupts: a small share of it (without
+        # chunks, one wait as long as the whole prefill).
+        assert statistics.median(gaps) <= STALL_TARGET_S, f"decoders waited {sorted(gaps)} s"
+        assert max(gaps) <= (t_done - t_sent) / 4, f"decoders waited {sorted(gaps)} s"
 
 
 def test_disconnecting_20_streaming_clients_frees_everything(server: Server) -> None:
@@ -383,17 +413,7 @@ def test_disconnecting_20_streaming_clients_frees_everything(server: Server) -> 
 
     arun(server, run)
 
-    def idle() -> bool:
-        m = metrics(server)
-        return (
-            m["onegpu_requests_running{lane=fast}"] == 0
-            and m["onegpu_requests_waiting{lane=fast}"] == 0
-            and m["onegpu_kv_cache_used_cells{lane=fast}"]
-            == m["onegpu_kv_cache_cached_cells{lane=fast}"]
-        )
-
-    assert wait_for(idle, 1.0), metrics(server)
-    m = metrics(server)
+    m = settled_within_one_step(server)
     assert m["onegpu_requests_finished_total{finish_reason=abort}"] >= 20
     r = client(server).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5)
     assert r.choices[0].message.content is not None
@@ -546,21 +566,12 @@ def test_disconnect_during_a_long_prefill_stops_it_and_frees_its_kv(server: Serv
             m = metrics(server)
             return m["onegpu_step_prompt_tokens_count"] > before["onegpu_step_prompt_tokens_count"]
 
-        assert await asyncio.to_thread(wait_for, prefilling, 30.0)
+        assert await asyncio.to_thread(wait_for, prefilling)
         await stream.close()
 
     arun(server, run)
 
-    def idle() -> bool:
-        m = metrics(server)
-        return (
-            m["onegpu_requests_running{lane=fast}"] == 0
-            and m["onegpu_kv_cache_used_cells{lane=fast}"]
-            == m["onegpu_kv_cache_cached_cells{lane=fast}"]
-        )
-
-    assert wait_for(idle, 3.0), metrics(server)  # one 512-token chunk on 2 cores: ~1 s
-    after = metrics(server)
+    after = settled_within_one_step(server)
     computed = after["onegpu_step_prompt_tokens_sum"] - before["onegpu_step_prompt_tokens_sum"]
     assert 0 < computed < 4000, "the prefill stopped long before the prompt's end"
     assert after["onegpu_prompt_tokens_total"] == before["onegpu_prompt_tokens_total"]

@@ -7,6 +7,7 @@ task that died) into a failure with its cause instead of a stuck test.
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -343,6 +344,46 @@ def test_a_prompt_prefilled_aside_returns_though_nothing_else_steps() -> None:
         finish.set()
         assert_reference(long, await h.collect(ql))
         assert fake.batches[steps].side_poll  # the first step after the wake-up polled
+        await h.close()
+
+    run(main)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_aborts_during_a_long_prefill_leave_nothing_taken_once_idle(seed: int) -> None:
+    """A long prompt is computed in chunks while others wait to read it from the prefix
+    cache (it is offered short of its end, a `Share` op may be pending when it ends); it
+    is aborted at a seeded point, sometimes with a reader, and then no more traffic comes.
+    Once the engine thread has nothing to do, the books, the last stats the server
+    published and the engine's own cells must agree: nothing is held by a request that is
+    gone, and no release waits for a next batch that an idle server never sends."""
+    rng = random.Random(seed)
+
+    async def main() -> None:
+        config = cfg(max_num_seqs=4, kv_capacity=600, max_num_batched_tokens=16,
+                     prefix_cache=True, max_cached_seqs=4)  # fmt: skip
+        h = Harness(config, hold_at_step=rng.randrange(1, 7))  # (120 tokens: 8 steps)
+        base = prompt(120, seed)
+        long = make_request("long", base, 4)
+        readers = [make_request(f"r{i}", [*base[: 70 + 10 * i], 41 + i, 42], 3) for i in range(2)]
+        qs = {r.req_id: h.loop.add(r) for r in (long, *readers)}
+        await h.guarded(asyncio.to_thread(h.held.wait, TIMEOUT_S))
+        assert long.num_computed < long.num_prompt  # still prefilling
+        gone = ["long", *(["r0"] if rng.random() < 0.5 else [])]
+        for req_id in gone:
+            h.loop.abort(req_id)
+            del qs[req_id]
+        h.release()
+        for req in readers:
+            if req.req_id in qs:
+                assert_reference(req, await h.collect(qs[req.req_id]))
+        assert await h.loop.drain(TIMEOUT_S)
+        kv = h.loop.scheduler.kv
+        assert not kv.pending.needs_batch, "a release waits for a batch nobody sends"
+        assert kv.used == kv.cached and h.fake.kv_used == kv.used
+        last = h.stats.items[-1]
+        assert last.num_running == 0 and last.kv_used == last.kv_cached == kv.used
+        assert long.status is RequestStatus.FINISHED_ABORTED
         await h.close()
 
     run(main)
