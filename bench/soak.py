@@ -247,11 +247,15 @@ async def send(kind: str, t: Traffic, rng: random.Random, tally: Tally) -> None:
 
 
 async def worker(i: int, seed: int, t: Traffic, deadline: float, tally: Tally) -> None:
+    """Worker `i` sends kind `i` of the mix first (so the workers together send every kind
+    however few requests a slow or busy host completes), then draws kinds by weight."""
     rng = random.Random(seed * 1000 + i)
     kinds = list(MIX)
     weights = [MIX[k][0] for k in kinds]
+    kind = kinds[i % len(kinds)]
     while time.monotonic() < deadline:
-        await send(rng.choices(kinds, weights)[0], t, rng, tally)
+        await send(kind, t, rng, tally)
+        kind = rng.choices(kinds, weights)[0]
 
 
 # ---- memory and load -----------------------------------------------------------------

@@ -92,56 +92,42 @@ async def _one(h: httpx.AsyncClient, server: Server, ids: list[int], out: int = 
 
 
 def test_ten_prompts_for_a_two_prompt_pool_run_without_thrashing(pressed: Server) -> None:
+    """Ten requests for a pool that holds about two: they are admitted a few at a time and
+    wait in the queue for KV, rather than being admitted together and preempted in turn;
+    the first in line is served first. (What that is worth in seconds against serving them
+    one after another, and against llama-server, is `bench.kv_pressure`'s: on this machine
+    a step's time follows whatever else it runs, so a test holds the order, not the time.)"""
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 250) for _ in range(rng.randint(int(0.30 * POOL),
                                                                   int(0.45 * POOL)))]
                for _ in range(10)]  # fmt: skip
 
-    async def first_in_line(h: httpx.AsyncClient, rest: list[list[int]]) -> tuple[float, float]:
-        """The first prompt sent first, `rest` as soon as the server counted it: the first
-        request's time and the time until the last ended."""
-        queued = await _queued(h, pressed)
-        t0 = time.monotonic()
-        first = asyncio.create_task(_one(h, pressed, prompts[0]))
-        while await _queued(h, pressed) == queued:
-            pass
-        ends = await asyncio.gather(*(_one(h, pressed, p) for p in rest))
-        first_end = await first
-        return first_end - t0, max(first_end, *ends) - t0
-
-    async def main() -> tuple[float, float, float, float, float]:
+    async def main() -> tuple[float, list[float], float]:
         async with httpx.AsyncClient(timeout=600) as h:
             # Warm up, with steps of one and of two sequences: the server learns what
             # sharing a step costs.
             await asyncio.gather(*(_one(h, pressed, p[:8]) for p in prompts[:2]))
+            queued = await _queued(h, pressed)
             t0 = time.monotonic()
-            first_alone = await _one(h, pressed, prompts[0]) - t0
-            for p in prompts[1:]:
-                await _one(h, pressed, p)
-            serial = time.monotonic() - t0
-            # Beside one other, both in the pool: what batching alone costs the first.
-            first_paired, _ = await first_in_line(h, prompts[1:2])
-            first_together, together = await first_in_line(h, prompts[1:])
-            return first_alone, first_paired, serial, first_together, together
+            first = asyncio.create_task(_one(h, pressed, prompts[0]))
+            while await _queued(h, pressed) == queued:
+                await asyncio.sleep(0.01)  # polling a condition: the first is queued
+            ends = await asyncio.gather(*(_one(h, pressed, p) for p in prompts[1:]))
+            return await first, list(ends), time.monotonic() - t0
 
     before = _preemptions(pressed)
     waited_before = _metric(pressed, "onegpu_request_kv_wait_seconds_sum")
-    first_alone, first_paired, serial, first_together, together = asyncio.run(main())
+    first_end, ends, together = asyncio.run(main())
     preempted = _preemptions(pressed) - before
     waited = _metric(pressed, "onegpu_request_kv_wait_seconds_sum") - waited_before
-    print(f"kv pressure: {together:.2f} s together, {serial:.2f} s one after another; first "
-          f"request {first_together:.2f} s vs {first_alone:.2f} s alone, {first_paired:.2f} s "
-          f"beside one other; {preempted:g} preemptions")  # fmt: skip
+    print(f"kv pressure: {together:.2f} s together, {preempted:g} preemptions, "
+          f"{waited:.2f} s waited for KV in all")  # fmt: skip
     assert preempted <= 10
-    assert together <= 1.3 * serial, (together, serial)
-    # Eight more waiting behind cost the first in line nothing past one companion's share
-    # of its steps (where batching pays, the server shares them — a second sequence
-    # costs this CPU 0.3-0.4 of a step, so the queue drains 10-25% sooner than one after
-    # another; where it does not, it serves one after another and the first runs alone).
-    assert first_together <= 1.5 * max(first_alone, first_paired), (
-        first_together, first_alone, first_paired)  # fmt: skip
+    # The first in line ends first, or second where one companion shared its steps and
+    # ended sooner; never behind the queue that came after it.
+    assert sorted([first_end, *ends]).index(first_end) <= 1
     # Nine requests queued for KV behind one or two running: request k waits about k/10 of
-    # the time together, 4.5x it in all (one after another: none waited).
+    # the time together, 4.5x it in all (admitted together and preempted: none waited).
     assert waited >= together, (waited, together)
 
 
