@@ -22,7 +22,6 @@ import asyncio
 import json
 import logging
 import os
-import shutil
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -35,7 +34,14 @@ from bench.aiperf_run import Cell, ensure_aiperf, ensure_tokenizer, run_aiperf
 from bench.batched_bench import run_batched_bench
 from bench.loadgen import run_load, run_lockstep
 from bench.peers import Peers, ensure_peers
-from bench.server_proc import Server, free_port, served_model, start_process, start_server
+from bench.server_proc import (
+    Server,
+    free_port,
+    on_gpu,
+    served_model,
+    start_process,
+    start_server,
+)
 
 log = logging.getLogger("bench")
 # Every field a row depends on is sent: neither server's defaults enter (ours resolve the
@@ -199,7 +205,7 @@ def warm_up(server: Server, name: str) -> None:
 
 def run(args: argparse.Namespace) -> tuple[Results, Setup]:
     cache = Path(args.cache).resolve()
-    gpu = args.gpu if args.gpu is not None else shutil.which("nvidia-smi") is not None
+    gpu = on_gpu(args.gpu)
     if args.peer_bin:
         bin_dir = Path(args.peer_bin)
         peers = Peers(

@@ -17,6 +17,8 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.server_proc import on_gpu
+
 log = logging.getLogger(__name__)
 LLAMA_CPP_PYTHON = "0.3.36"
 # As the Makefile builds ours: without ggml's AMX kernels, which die of SIGILL on VMs whose
@@ -126,7 +128,7 @@ def main() -> None:
     this before the tests, so a clean clone's suite times tests, not a compiler)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cache = Path(sys.argv[1] if len(sys.argv) > 1 else ".bench").resolve()
-    peers = ensure_peers(cache, cuda=shutil.which("nvidia-smi") is not None)
+    peers = ensure_peers(cache, cuda=on_gpu(None))
     log.info("peers ready: %s", peers.server.parent)
 
 
