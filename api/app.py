@@ -141,6 +141,7 @@ def _state(
     metrics.set_placement(
         placement.placed, {"gpu": plan.budgets.vram, "ram": plan.budgets.ram} if plan else None
     )
+    metrics.set_weight_buffers(model.weight_buffers.by_buffer)
     experts = None
     picks = None
     if model.tap is not None and placement.experts is not None:

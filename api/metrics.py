@@ -250,6 +250,14 @@ class Metrics:
             for device, v in budgets.items():
                 budget.labels(device=device).set(v)
 
+    def set_weight_buffers(self, by_buffer: dict[str, int]) -> None:
+        """Weight bytes by llama.cpp buffer as the load allocated them (engine.weight_buffers):
+        `CUDA_Host` is page-locked host memory, `CPU` plain, `CPU_Mapped` the mapped file."""
+        size = Gauge("onegpu_weight_buffer_bytes", "Weight bytes by llama.cpp buffer",
+                     ["buffer"], registry=self.registry)  # fmt: skip
+        for name, nbytes in by_buffer.items():
+            size.labels(buffer=name).set(nbytes)
+
     def add_expert_telemetry(self, source: Callable[[], ExpertReport]) -> None:
         """Expert pick counters, read from `source` at each scrape (engine.expert_tap)."""
         self.registry.register(_AtScrape(lambda: _expert_series(source())))

@@ -1,12 +1,17 @@
 """The routed-expert cache against llama.cpp's best whole-layer placement, at equal VRAM.
 
-For a VRAM size given as "the routed-expert bytes of K whole layers" and for each routing
-(the model as written, uniform; and a copy rewritten by `bench.skew_router` at its
-defaults, skewed and temporally local), in one run on one machine:
+For a VRAM size given as "the routed-expert bytes of K layers" (`--layers`; K may be a
+fraction: a layer's gate, up and down tensors are placed one by one) or as a share of all
+of them (`--vram-share`), and for each routing of `bench.skew_router`'s presets (`uniform`:
+the model as written; `skewed`; `measured`, a real model's LRU curve), set in place in the
+model file (its routing tensors saved beside the work files the first time, the file as
+written again at the end), in one run on one machine:
 
-- llama-server `--n-cpu-moe L-K` (its best layout for that VRAM: the last K layers' experts
-  on the GPU, the rest in RAM), through its OpenAI endpoint;
-- ours with the same whole layers and no cache (`--cpu-experts` for the same layers);
+- llama-server with the last K layers' expert tensors on the GPU and the rest in RAM
+  (`-ot REGEX=CPU`; `--n-cpu-moe L-K` for whole K): its best layout for that VRAM — a
+  layer with any expert tensor in RAM pays the host round trip, so whole layers on the GPU
+  and at most one split layer;
+- ours with the same tensors in RAM and no cache (`--cpu-experts REGEX`);
 - ours with every expert in RAM and a cache of S slots (+ n_expert_used pad slots) in each
   layer: S = K * n_expert / L - n_expert_used, the same VRAM;
 - ours planned (`--expert-cache-slots auto`) under the VRAM the peer's process held, with the
@@ -18,9 +23,13 @@ Each server gets the same users: N at once (1, 4, 8), each a prompt of random to
 `--osl` sampled tokens (`ignore_eos`), after a warm-up. Reported: output tok/s over the
 wall time, and the per-user decode rate (tokens after the first / time after the first).
 Our servers also report the GPU's share of expert picks: the cache's hits, the sampled
-picks of resident layers, and the planner's expectation.
+picks of resident layers, and the planner's expectation. With `--json`, every layout's
+split (resident, cached and uncached layers in RAM, the cache's hit share) goes with its
+figures: what `bench.hybrid_model` fits its constants to.
 
     python -m bench.expert_cache_ab --model M.gguf --peer-bin DIR --layers 15 27
+    python -m bench.expert_cache_ab --model SLICE.gguf --peer-bin DIR --vram-share 0.38 \\
+        --routings measured skewed uniform
 """
 
 from __future__ import annotations
@@ -31,7 +40,6 @@ import contextlib
 import json
 import logging
 import re
-import shutil
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -44,7 +52,7 @@ from bench.compare import Setup, warm_up
 from bench.loadgen import run_load
 from bench.routing_curve import _counter
 from bench.server_proc import Server
-from bench.skew_router import skew_router
+from bench.skew_router import PRESETS, set_routing
 from bench.vram import VramPeak
 from engine.gguf_meta import read_meta
 from engine.plan import expert_layer
@@ -62,6 +70,9 @@ class Variant:
     cells: dict[int, list[Cell]] = field(default_factory=dict)
     vram_mib: float | None = None
     notes: list[str] = field(default_factory=list)
+    split: dict[str, float] = field(default_factory=dict)  # bench.hybrid_model.Layout
+    resident: float | None = None  # expert layers on the GPU as placed (None: all, or the
+    # layers the cache leaves resident)
 
 
 def references(n_expert: int) -> list[Variant]:
@@ -84,18 +95,40 @@ def references(n_expert: int) -> list[Variant]:
     ]
 
 
-def variants(n_layer: int, n_expert: int, n_used: int, k: int, admission: float) -> list[Variant]:
-    """The four layouts of one VRAM size (module doc)."""
-    n_cpu = n_layer - k
-    slots = k * n_expert // n_layer - n_used
-    in_ram = "|".join(str(i) for i in range(n_cpu))
+def in_ram_regex(n_layer: int, tensors: int) -> str:
+    """The expert tensors left in RAM when the last `tensors` of the 3 * n_layer (gate, up,
+    down a layer) are on the GPU: whole layers from the last down, then one layer's down,
+    up, gate in that order."""
+    whole, part = divmod(tensors, 3)
+    ram = [str(i) for i in range(n_layer - whole - (1 if part else 0))]
+    groups = [rf"blk\.({'|'.join(ram)})\.{EXPERTS}"] if ram else []
+    if part:
+        left = ["gate", "up", "down"][: 3 - part]
+        groups.append(rf"blk\.{n_layer - whole - 1}\.ffn_({'|'.join(left)})_exps")
+    return "|".join(groups)
+
+
+def variants(
+    n_layer: int, n_expert: int, n_used: int, tensors: int, admission: float
+) -> list[Variant]:
+    """The four layouts of one VRAM size (module doc): `tensors` expert tensors' bytes."""
+    k = tensors / 3
+    slots = tensors * n_expert // (3 * n_layer) - n_used
+    in_ram = in_ram_regex(n_layer, tensors)
     policy = ["--expert-cache-admission", str(admission)]
+    if tensors % 3 == 0:
+        peer = Variant(f"llama-server --n-cpu-moe {n_layer - tensors // 3}", True,
+                       ["--n-cpu-moe", str(n_layer - tensors // 3)], resident=k)  # fmt: skip
+    else:
+        peer = Variant(f"llama-server -ot (the last {k:.2f} layers on the GPU)", True,
+                       ["-ot", f"{in_ram}=CPU"], resident=k)  # fmt: skip
     return [
-        Variant(f"llama-server --n-cpu-moe {n_cpu}", True, ["--n-cpu-moe", str(n_cpu)]),
+        peer,
         Variant(
-            f"ours, the same {k} whole layers",
+            f"ours, the same {k:g} layers" if tensors % 3 else f"ours, the same {k:g} whole layers",
             False,
-            ["--cpu-experts", rf"blk\.({in_ram})\.{EXPERTS}", "--expert-cache-slots", "0"],
+            ["--cpu-experts", in_ram, "--expert-cache-slots", "0"],
+            resident=k,
         ),
         Variant(
             f"ours, --cpu-moe + {slots} slots",
@@ -130,17 +163,19 @@ def _load(url: str, name: str, users: list[int], isl: int, osl: int, seed: int) 
     ]
 
 
-def _expert_notes(srv: Server, log_path: Path) -> list[str]:
-    """The GPU's share of picks as the server reports it, and the plan's expectation."""
+def _expert_notes(srv: Server, log_path: Path) -> tuple[list[str], float, int]:
+    """The GPU's share of picks as the server reports it, and the plan's expectation; the
+    cache's hit share and its layers (0, 0 without a cache)."""
     notes = []
+    hit, cached = 0.0, 0
     text = httpx.get(srv.url + "/metrics", timeout=30).text
     with contextlib.suppress(KeyError):  # no cache
         hits = _counter(text, "onegpu_expert_cache_picks_total", result="hit")
         misses = _counter(text, "onegpu_expert_cache_picks_total", result="miss")
         uploads = _counter(text, "onegpu_expert_cache_uploads_total")
-        notes.append(
-            f"cache hits {hits / max(1.0, hits + misses):.1%} of its picks, {uploads:.0f} uploads"
-        )
+        cached = int(_counter(text, "onegpu_expert_cache_layers"))
+        hit = hits / max(1.0, hits + misses)
+        notes.append(f"cache hits {hit:.1%} of its picks, {uploads:.0f} uploads")
     with contextlib.suppress(KeyError):  # no telemetry
         share = _counter(text, "onegpu_expert_gpu_pick_share")
         notes.append(f"sampled GPU-resident pick share {share:.1%}")
@@ -149,43 +184,59 @@ def _expert_notes(srv: Server, log_path: Path) -> list[str]:
         log_path.read_text(errors="replace"),
     )
     notes += plan[-2:]
-    return notes
+    return notes, hit, cached
 
 
-def run(args: argparse.Namespace) -> list[tuple[str, int, list[Variant]]]:
+def split_of(v: Variant, n_layer: int, hit: float, cached: int) -> dict[str, float]:
+    """The layout a row measured, for bench.hybrid_model: a cache's layers are in RAM and
+    the rest resident (the planner caches every layer it leaves in RAM); whole-layer rows
+    as placed."""
+    if cached:
+        return {"resident": n_layer - cached, "cached": cached, "in_ram": 0.0, "hit": hit}
+    resident = n_layer if v.resident is None else v.resident
+    return {"resident": resident, "cached": 0, "in_ram": n_layer - resident, "hit": 0.0}
+
+
+def sizes(args: argparse.Namespace, n_layer: int) -> list[int]:
+    """The VRAM sizes asked for, in expert tensors (3 a layer)."""
+    out = [round(3 * k) for k in args.layers or []]
+    out += [round(3 * n_layer * f) for f in args.vram_share or []]
+    return out or [round(3 * n_layer / 3)]
+
+
+def run(args: argparse.Namespace) -> list[tuple[str, float, list[Variant]]]:
     model = Path(args.model).resolve()
     meta = read_meta(str(model))
     n_layer = len({expert_layer(t.name) for t in meta.tensors} - {-1})
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    models = {"uniform": model}
-    if "skewed" in args.routings:
-        skewed = work / "skewed.gguf"
-        if not skewed.exists():  # a copy: the uniform one is measured too
+    originals = work / f"{model.stem}-routing-originals.npz"
+    setup = Setup.sized(model, args.users, args.isl, args.osl, args.threads, gpu=not args.cpu)
+    results: list[tuple[str, float, list[Variant]]] = []
+    try:
+        for routing in args.routings:
             t0 = time.monotonic()
-            shutil.copyfile(model, work / "skewed.tmp")
-            skew_router(work / "skewed.tmp", skew=1.0, locality=0.5, context=64, boost=8.0)
-            (work / "skewed.tmp").rename(skewed)
-            log.info("skewed copy written in %.0f s", time.monotonic() - t0)
-        models["skewed"] = skewed
-    setup = Setup.sized(model, args.users, args.isl, args.osl, args.threads, gpu=True)
-    results = []
-    for routing in args.routings:
-        setup.model = models[routing]
-        counts = work / f"{routing}-counts.json"
-        if args.references and routing == args.routings[0]:
-            refs = references(meta.n_expert)
-            for v in refs:
-                _measure(args, setup, v, refs, counts, work / f"{routing}-ref")
-            results.append((routing, 0, refs))
-            print(report([(routing, 0, refs)]), flush=True)
-        for k in args.layers:
-            rows = variants(n_layer, meta.n_expert, meta.n_expert_used, k, args.admission)
-            for rep in range(args.repeats):
-                for v in rows:
-                    _measure(args, setup, v, rows, counts, work / f"{routing}-{k}-{rep}")
-            results.append((routing, k, rows))
-            print(report([(routing, k, rows)]), flush=True)
+            set_routing(model, PRESETS[routing], originals)
+            log.info("routing %s set in %.0f s", routing, time.monotonic() - t0)
+            counts = work / f"{routing}-counts.json"
+            if args.references and routing == args.routings[0]:
+                refs = references(meta.n_expert)
+                for v in refs:
+                    _measure(args, setup, v, refs, counts, work / f"{routing}-ref", n_layer)
+                results.append((routing, 0, refs))
+                print(report([(routing, 0, refs)]), flush=True)
+            for tensors in sizes(args, n_layer):
+                rows = variants(n_layer, meta.n_expert, meta.n_expert_used, tensors,
+                                args.admission)  # fmt: skip
+                for rep in range(args.repeats):
+                    for v in rows:
+                        stem = work / f"{routing}-{tensors}-{rep}"
+                        _measure(args, setup, v, rows, counts, stem, n_layer)
+                results.append((routing, tensors / 3, rows))
+                print(report([(routing, tensors / 3, rows)]), flush=True)
+    finally:  # the model as written again
+        if originals.exists():
+            set_routing(model, PRESETS["uniform"], originals)
     return results
 
 
@@ -196,6 +247,7 @@ def _measure(
     rows: list[Variant],
     counts: Path,
     stem: Path,
+    n_layer: int,
 ) -> None:
     log_path = stem.with_name(f"{stem.name}-{rows.index(v)}.log")
     if v.peer:
@@ -228,15 +280,18 @@ def _measure(
             )
         if peak.peak_mib is not None:
             v.vram_mib = max(peak.peak_mib, v.vram_mib or 0.0)
-        if not v.peer:
-            v.notes = _expert_notes(srv, log_path)
+        if v.peer:
+            v.split = split_of(v, n_layer, 0.0, 0)
+        else:
+            v.notes, hit, cached = _expert_notes(srv, log_path)
+            v.split = split_of(v, n_layer, hit, cached)
             if "--cpu-moe" in v.args:  # what the next start of this routing plans for
                 counts.write_bytes(httpx.get(srv.url + "/experts/counts", timeout=30).content)
     finally:
         srv.stop()
 
 
-def report(results: list[tuple[str, int, list[Variant]]]) -> str:
+def report(results: list[tuple[str, float, list[Variant]]]) -> str:
     out = [
         "| routing | VRAM for experts | layout | VRAM MiB | N | tok/s | per user | vs peer |",
         "|---|---|---|---:|---:|---:|---:|---:|",
@@ -250,14 +305,15 @@ def report(results: list[tuple[str, int, list[Variant]]]) -> str:
                 user = statistics.median(c.per_user_tok_s for c in cells)
                 theirs = peer.cells.get(n) if peer else None
                 ratio = tok / statistics.median(c.output_tok_s for c in theirs) if theirs else 0
-                size = f"{k} layers" if k else "reference"
+                size = f"{k:g} layers" if k else "reference"
                 out.append(
                     f"| {routing} | {size} | {v.label} | {vram} | {n} | {tok:.1f} "
                     f"| {user:.1f} | {ratio:.2f} |"
                 )
         for v in rows:
             if v.notes:
-                out.append(f"| {routing} | {k or '-'} | {v.label}: {'; '.join(v.notes)} |||||||")
+                size = f"{k:g}" if k else "-"
+                out.append(f"| {routing} | {size} | {v.label}: {'; '.join(v.notes)} |||||||")
     return "\n".join(out)
 
 
@@ -265,16 +321,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", required=True, help="an MoE GGUF with F32/F16 routers")
     p.add_argument("--peer-bin", required=True, help="folder with llama-server")
-    p.add_argument(
-        "--layers",
-        type=int,
-        nargs="+",
-        default=[15, 27],
-        help="VRAM sizes: the routed-expert bytes of K whole layers",
-    )
-    p.add_argument(
-        "--routings", nargs="+", choices=["skewed", "uniform"], default=["skewed", "uniform"]
-    )
+    p.add_argument("--layers", type=float, nargs="+",
+                   help="VRAM sizes: the routed-expert bytes of K layers (in thirds)")  # fmt: skip
+    p.add_argument("--vram-share", type=float, nargs="+",
+                   help="VRAM sizes: a share of all routed-expert bytes (0.38: the reference "
+                        "system's), to the nearest expert tensor")  # fmt: skip
+    p.add_argument("--routings", nargs="+", choices=sorted(PRESETS), default=["skewed", "uniform"])
+    p.add_argument("--cpu", action="store_true", help="no GPU (a dry run of the flow)")
     p.add_argument("--users", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--isl", type=int, default=64)
     p.add_argument("--osl", type=int, default=128)
@@ -290,7 +343,7 @@ def main() -> None:
     )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--work", default=".bench/expert-cache-ab")
-    p.add_argument("--json", type=Path, help="write the figures here too")
+    p.add_argument("--json", type=Path, help="write the figures (and each row's split) here")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     results = run(args)
@@ -305,6 +358,7 @@ def main() -> None:
                         "layout": v.label,
                         "vram_mib": v.vram_mib,
                         "notes": v.notes,
+                        "split": v.split,
                         "cells": {n: [c.output_tok_s for c in cs] for n, cs in v.cells.items()},
                         "per_user": {
                             n: [c.per_user_tok_s for c in cs] for n, cs in v.cells.items()

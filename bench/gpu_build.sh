@@ -22,7 +22,7 @@ export PYTHONPATH=$W/site:$SRC:$PWD
 export PEER_BIN=$L/build/bin
 export MODEL=$W/moe30.gguf
 ENV
-if [ ! -f "$W/moe30.gguf" ]; then
+if [ ! -f "$W/moe30.gguf" ] && [ "${SYNTH30:-1}" = 1 ]; then  # SYNTH30=0: not written here
   PYTHONPATH="$W/site" python3 -m bench.synth_moe "$W/moe30.gguf" --arch qwen3moe --layers 48 \
     --embd 2048 --heads 32 --kv-heads 4 --head-dim 128 --ff 6144 --experts 128 --used 8 \
     --ff-exp 768 --vocab 151936 > "$W/synth.log" 2>&1 &
@@ -45,4 +45,4 @@ if [ -n "${PACK:-}" ]; then  # bench/gpu_crossbuild.sh's pack, in parts a device
   tar cf - -C "$W/pack" . | xz -T0 -6 | split -b 15M - "$PACK/llama-cuda.tar.xz.part-"
 fi
 wait
-ls -la "$L/build/bin" "$W/moe30.gguf"
+ls -la "$L/build/bin" "$W"/*.gguf

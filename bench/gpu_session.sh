@@ -22,7 +22,9 @@
 #   rows), ubatch-ab (experts in RAM: physical
 #   batches of 512 and 2048 rows), cache-cuda and cache-curve (the routed-expert cache on
 #   the GPU: its tests, then bench.routing_curve; with .gpu-pre/ from
-#   bench/gpu_crossbuild.sh nothing is built here). At the end every result file is concatenated into
+#   bench/gpu_crossbuild.sh nothing is built here), reference (issue 45: the reference model's
+#   width, a 7-layer slice: load, expert-cache A/B, cost model; reference-ab without the load).
+#   At the end every result file is concatenated into
 #   RESULTS/all.txt: the device returns only a few files.
 set -uo pipefail
 W=${1:?WORKDIR}; R=${2:?RESULTS}; shift 2
@@ -35,7 +37,9 @@ if [ ! -f "$W/env.sh" ]; then
   if [ $KIT = .gpu-pre ]; then  # built on the CPU machine: bench/gpu_crossbuild.sh
     bash bench/gpu_prebuilt.sh "$W" > "$R/build.txt" 2>&1 || { echo failed > "$R/build.failed"; exit 1; }
   else  # built here (~5 min on 16 cores), and packed into RESULTS/pack for the next calls
-    PACK="$R/pack" bash bench/gpu_build.sh "$W" > "$R/build.txt" 2>&1 \
+    # (the 30B-A3B model only if a step measures it: the reference slice needs the disk)
+    need30=0; for s in "${steps[@]}"; do [[ $s == reference* ]] || need30=1; done
+    SYNTH30=$need30 PACK="$R/pack" bash bench/gpu_build.sh "$W" > "$R/build.txt" 2>&1 \
       || { echo failed > "$R/build.failed"; exit 1; }
   fi
 fi
@@ -47,7 +51,8 @@ synth() {  # OUT LAYERS: the Qwen3-30B-A3B shape (as gpu_build.sh writes it), at
 }
 synth "$CURVE_MODEL" 12 || { echo "no $CURVE_MODEL" > "$R/build.failed"; exit 1; }
 for s in "${steps[@]}"; do  # the other steps' model, written while the first steps run
-  if [[ $s != cache-cuda && $s != cache-e2e && $s != cache-curve ]] && [ ! -f "$W/moe30.gguf" ]; then
+  if [[ $s != cache-cuda && $s != cache-e2e && $s != cache-curve && $s != reference* ]] \
+    && [ ! -f "$W/moe30.gguf" ]; then
     synth "$W/moe30.gguf" 48 &
     synth30=$!
     break
@@ -79,7 +84,8 @@ if [ -f "$CURVE_MODEL" ]; then
   grep -q "^served:" "$R/serve-check.txt" || { cp "$R/serve-check.txt" "$R/build.failed"; exit 1; }
 fi
 for s in "${steps[@]}"; do
-  if [ -n "${synth30:-}" ] && [[ $s != cache-cuda && $s != cache-e2e && $s != cache-curve ]]; then
+  if [ -n "${synth30:-}" ] && [[ $s != cache-cuda && $s != cache-e2e && $s != cache-curve \
+    && $s != reference* ]]; then
     wait "$synth30" || { echo "no moe30.gguf" > "$R/$s.txt"; }
     synth30=
   fi
@@ -236,6 +242,32 @@ for s in "${steps[@]}"; do
       # the peer with every expert in RAM (its cost does not depend on the routing)
       run cache-curve-peer timeout 90 "$PEER_BIN/llama-batched-bench" -m "$CURVE_MODEL" -ngl 99 --cpu-moe \
         -c 8192 -b 2048 -ub 512 -npp 64 -ntg 128 -npl 1,4 -fa on ;;
+    reference|reference-ab)  # issue 45: a slice of the reference model at its true width,
+      # 1 dense + 6 MoE layers (~38 GB; the disk holds one copy, so routings are switched in
+      # place): a narrow deepseek2 served first (the kit's check of the architecture), the
+      # load (read and page-locked, mapped, pinning refused), then the expert-cache A/B at
+      # 38% of the slice's expert bytes under the measured, skewed and as-written routings
+      # with the cost model fitted to its rows
+      [ -f "$W/ref-narrow.gguf" ] || PYTHONPATH="$W/site" python3 -m bench.synth_moe \
+        "$W/ref-narrow.gguf" --shape reference-narrow > /dev/null 2>&1
+      run ref-narrow timeout 120 python3 -m bench.gpu_serve_check --model "$W/ref-narrow.gguf" \
+        -- --cpu-moe --expert-cache-slots 4
+      if [ ! -f "$W/ref7.gguf" ]; then
+        t0=$SECONDS
+        PYTHONPATH="$W/site" python3 -m bench.synth_moe "$W/ref7.tmp" --shape reference \
+          --layers 7 --dense 1 > "$R/ref-synth.txt" 2>&1 && mv "$W/ref7.tmp" "$W/ref7.gguf"
+        echo "written in $((SECONDS - t0)) s" >> "$R/ref-synth.txt"
+      fi
+      if [ "$s" = reference ]; then
+        run ref-load timeout 600 python3 -m bench.load_time --model "$W/ref7.gguf" \
+          --work /tmp/w/load -- --cpu-moe --expert-cache-slots 32
+      fi
+      run ref-ab timeout "${REF_AB_LIMIT:-1500}" python3 -m bench.expert_cache_ab \
+        --model "$W/ref7.gguf" --peer-bin "$PEER_BIN" --vram-share 0.38 \
+        --routings measured skewed uniform --admission 3 --references --osl 64 \
+        --work /tmp/w/refab --json "$R/ref-ab.json"
+      run ref-model python3 -m bench.hybrid_model --fit "$R/ref-ab.json" \
+        --model "$W/ref7.gguf" --out "$R/ref-constants.json" --reference ;;
     tap-cost)  # paired, step by step (bench/tap_cost.py), then as a throughput difference
       run tapcost python3 -m bench.tap_cost --model "$MODEL" --concurrency 1 8 32 --steps 400
       run tapcost-throughput python3 -m bench.engine_step --model "$MODEL" --concurrency 1 8 32 \

@@ -14,6 +14,11 @@ server without a cache, the rate to compare with.
     python -m bench.routing_curve            # a generated 6-layer, 64-expert model
     python -m bench.routing_curve --model M  # any MoE GGUF whose router is F32
     python -m bench.routing_curve --model M --slots 0,32,64 --routings skewed --uploads 1
+    python -m bench.routing_curve --experts 256 --used 4 --users 1 --routings measured \\
+        --slots 32,64 --uploads all      # the `measured` preset against its real-model points
+
+Routings are `bench.skew_router`'s presets (`uniform`: as written; `skewed`; `measured`),
+and `custom` (`--skew`, `--locality`: for matching a curve).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.server_proc import Server, start_server
-from bench.skew_router import skew_router
+from bench.skew_router import PRESETS, Routing, skew_router
 from engine.expert_split import load_picks
 from engine.gguf_meta import read_meta
 
@@ -111,11 +116,11 @@ def measure(
                  tokens / wall, loaded / steps if steps else 0.0)  # fmt: skip
 
 
-def _generated(path: Path) -> Path:
+def _generated(path: Path, n_expert: int, n_used: int) -> Path:
     from tests.tiny_gguf import Shape, write_qwen3moe  # the test suite's model writer
 
     shape = Shape(n_layer=6, n_embd=256, n_head=8, n_head_kv=2, head_dim=32, n_ff=512,
-                  n_expert=64, n_expert_used=8, n_ff_exp=64)  # fmt: skip
+                  n_expert=n_expert, n_expert_used=n_used, n_ff_exp=64)  # fmt: skip
     return write_qwen3moe(path, shape=shape, seed=7, wtype="f16")
 
 
@@ -127,9 +132,12 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens a user")
     p.add_argument("--out", type=int, default=96, help="tokens a user decodes")
     p.add_argument("--rounds", type=int, default=2, help="rounds of users, new prompts each")
-    p.add_argument("--skew", type=float, default=1.0)
-    p.add_argument("--locality", type=float, default=0.5)
-    p.add_argument("--routings", default="uniform,skewed", help="which routings to measure")
+    p.add_argument("--skew", type=float, default=1.0, help="the custom routing's")
+    p.add_argument("--locality", type=float, default=0.5, help="the custom routing's")
+    p.add_argument("--routings", default="uniform,skewed",
+                   help=f"which routings to measure: {', '.join(PRESETS)}, custom")  # fmt: skip
+    p.add_argument("--experts", type=int, default=64, help="the generated model's")
+    p.add_argument("--used", type=int, default=8, help="the generated model's")
     p.add_argument(
         "--uploads", default="all,1", help="upload caps (experts a layer a step; all = every miss)"
     )
@@ -138,16 +146,22 @@ def main() -> None:
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     work = Path(tempfile.mkdtemp(prefix="routing-"))
-    base = a.model or _generated(work / "moe.gguf")
+    base = a.model or _generated(work / "moe.gguf", a.experts, a.used)
     routings = a.routings.split(",")
-    skewed = work / "skewed.gguf"
-    if "skewed" in routings:  # (a copy of the model: only when measured)
-        shutil.copyfile(base, skewed)
-        skew_router(skewed, skew=a.skew, locality=a.locality, context=64, boost=8.0)
+    settings = {**PRESETS, "custom": Routing(a.skew, a.locality)}
+    models = {}
+    for routing in routings:  # a copy of the model for each rewritten routing
+        r = settings[routing]
+        if r.skew == 0 and r.locality == 0:
+            models[routing] = base
+            continue
+        models[routing] = work / f"{routing}.gguf"
+        shutil.copyfile(base, models[routing])
+        skew_router(models[routing], skew=r.skew, locality=r.locality, context=r.context,
+                    boost=r.boost)  # fmt: skip
     n_expert = read_meta(str(base)).n_expert
     slots = [int(x) for x in a.slots.split(",")]
     caps = [n_expert if u == "all" else int(u) for u in a.uploads.split(",")]
-    models = {"uniform": base, "skewed": skewed}
     points = {
         (routing, s, cap): measure(models[routing], routing, s, cap, a, work)
         for routing in routings

@@ -7,10 +7,12 @@ C++ symbols to copies inside libggml-cuda and crash in `llama_model::print_info`
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
 import logging
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -46,6 +48,8 @@ def _log_callback(ll: Any) -> Any:
             line = "".join(buf).rstrip()
             buf.clear()
             if line:
+                for tap in _LINE_TAPS:
+                    tap(line)
                 logger.log(_LEVEL.get(level, logging.DEBUG), "%s", line)
 
     cb = ll.llama_log_callback(on_log)
@@ -54,3 +58,16 @@ def _log_callback(ll: Any) -> Any:
 
 
 _KEEPALIVE: list[Any] = []
+_LINE_TAPS: list[Callable[[str], None]] = []
+
+
+@contextlib.contextmanager
+def llama_log_lines() -> Iterator[list[str]]:
+    """Every line llama.cpp logs meanwhile, whatever its level (the load's summary of its
+    buffers is logged at llama.cpp's info level, which the server's log leaves out)."""
+    lines: list[str] = []
+    _LINE_TAPS.append(lines.append)
+    try:
+        yield lines
+    finally:
+        _LINE_TAPS.remove(lines.append)

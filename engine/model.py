@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine import moe_cache
-from engine._capi import llama
+from engine import moe_cache, weight_buffers
+from engine._capi import llama, llama_log_lines
 from engine.config import EngineConfig
 from engine.context import LLAMA_MAX_SEQ, Context
 from engine.errors import ModelLoadCancelled, ModelLoadError
@@ -55,7 +55,8 @@ class Model:
             mparams.tensor_buft_overrides = overrides.pointer
         if progress is not None:
             mparams.progress_callback = progress.callback(ll)
-        self.model = ll.llama_model_load_from_file(str(path).encode(), mparams)
+        with llama_log_lines() as lines:
+            self.model = ll.llama_model_load_from_file(str(path).encode(), mparams)
         del overrides  # llama.cpp read the patterns during the load
         if not self.model:
             if progress is not None and progress.cancelled:
@@ -63,6 +64,13 @@ class Model:
                     f"load of {path} cancelled at {100 * progress.fraction:.0f}%"
                 )
             raise ModelLoadError(f"llama.cpp could not load {path}")
+        self.weight_buffers = weight_buffers.parse(lines)
+        log.info("weights by buffer: %s", self.weight_buffers.describe())
+        warning = weight_buffers.unpinned_warning(
+            self.weight_buffers, gpu=self._gpu_offload(), read=cfg.use_mmap is False
+        )
+        if warning:
+            log.warning("%s", warning)
         self.vocab = ll.llama_model_get_vocab(self.model)
         self.n_vocab: int = ll.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train: int = ll.llama_model_n_ctx_train(self.model)
@@ -295,10 +303,13 @@ class Model:
             return True
         return 0 < self.cfg.n_gpu_layers < self.n_layer
 
+    def _gpu_offload(self) -> bool:
+        return self.cfg.n_gpu_layers != 0 and bool(self.ll.llama_supports_gpu_offload())
+
     def _device_greedy(self) -> bool:
         if self.cfg.device_greedy is not None:
             return self.cfg.device_greedy
-        return self.cfg.n_gpu_layers != 0 and bool(self.ll.llama_supports_gpu_offload())
+        return self._gpu_offload()
 
     def open_context(
         self, *, n_ctx: int, n_seq_max: int, unified: bool, device_greedy: bool,
