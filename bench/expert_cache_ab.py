@@ -180,10 +180,10 @@ def _expert_notes(srv: Server, log_path: Path) -> tuple[list[str], float, int]:
         share = _counter(text, "onegpu_expert_gpu_pick_share")
         notes.append(f"sampled GPU-resident pick share {share:.1%}")
     plan = re.findall(
-        r"expected GPU pick share [^\n]*|routed experts on GPU: [^\n]*",
+        r"expected GPU pick share [^\n]*|routed experts on GPU: [^\n]*|weights by buffer: [^\n]*",
         log_path.read_text(errors="replace"),
     )
-    notes += plan[-2:]
+    notes += plan[-3:]
     return notes, hit, cached
 
 
@@ -250,6 +250,7 @@ def _measure(
     n_layer: int,
 ) -> None:
     log_path = stem.with_name(f"{stem.name}-{rows.index(v)}.log")
+    t0 = time.monotonic()
     if v.peer:
         setup.theirs_extra = v.args
         srv = setup.theirs(Path(args.peer_bin) / "llama-server", log_path)
@@ -268,6 +269,7 @@ def _measure(
         setup.ours_extra = ["--repro-slots", "0", "--log-level", "info", "--state-dir", "none",
                             *extra]  # fmt: skip
         srv = setup.ours(log_path)
+    ready = f"ready in {time.monotonic() - t0:.0f} s"
     try:
         with VramPeak(srv.proc.pid) as peak:
             warm_up(srv, setup.name)
@@ -281,9 +283,11 @@ def _measure(
         if peak.peak_mib is not None:
             v.vram_mib = max(peak.peak_mib, v.vram_mib or 0.0)
         if v.peer:
+            v.notes = [ready]
             v.split = split_of(v, n_layer, 0.0, 0)
         else:
-            v.notes, hit, cached = _expert_notes(srv, log_path)
+            notes, hit, cached = _expert_notes(srv, log_path)
+            v.notes = [ready, *notes]
             v.split = split_of(v, n_layer, hit, cached)
             if "--cpu-moe" in v.args:  # what the next start of this routing plans for
                 counts.write_bytes(httpx.get(srv.url + "/experts/counts", timeout=30).content)

@@ -245,9 +245,9 @@ for s in "${steps[@]}"; do
     reference|reference-ab)  # issue 45: a slice of the reference model at its true width,
       # 1 dense + 6 MoE layers (~38 GB; the disk holds one copy, so routings are switched in
       # place): a narrow deepseek2 served first (the kit's check of the architecture), the
-      # load (read and page-locked, mapped, pinning refused), then the expert-cache A/B at
-      # 38% of the slice's expert bytes under the measured, skewed and as-written routings
-      # with the cost model fitted to its rows
+      # expert-cache A/B at 38% of the slice's expert bytes under the measured, skewed and
+      # as-written routings with the cost model fitted to its rows, then the load (read and
+      # page-locked, mapped, pinning refused)
       [ -f "$W/ref-narrow.gguf" ] || PYTHONPATH="$W/site" python3 -m bench.synth_moe \
         "$W/ref-narrow.gguf" --shape reference-narrow > /dev/null 2>&1
       run ref-narrow timeout 120 python3 -m bench.gpu_serve_check --model "$W/ref-narrow.gguf" \
@@ -258,16 +258,16 @@ for s in "${steps[@]}"; do
           --layers 7 --dense 1 > "$R/ref-synth.txt" 2>&1 && mv "$W/ref7.tmp" "$W/ref7.gguf"
         echo "written in $((SECONDS - t0)) s" >> "$R/ref-synth.txt"
       fi
-      if [ "$s" = reference ]; then
-        run ref-load timeout 600 python3 -m bench.load_time --model "$W/ref7.gguf" \
-          --work /tmp/w/load -- --cpu-moe --expert-cache-slots 32
-      fi
       run ref-ab timeout "${REF_AB_LIMIT:-1500}" python3 -m bench.expert_cache_ab \
         --model "$W/ref7.gguf" --peer-bin "$PEER_BIN" --vram-share 0.38 \
         --routings measured skewed uniform --admission 3 --references --osl 64 \
         --work /tmp/w/refab --json "$R/ref-ab.json"
       run ref-model python3 -m bench.hybrid_model --fit "$R/ref-ab.json" \
-        --model "$W/ref7.gguf" --out "$R/ref-constants.json" --reference ;;
+        --model "$W/ref7.gguf" --out "$R/ref-constants.json" --reference
+      if [ "$s" = reference ]; then
+        run ref-load timeout 600 python3 -m bench.load_time --model "$W/ref7.gguf" \
+          --work /tmp/w/load -- --cpu-moe --expert-cache-slots 32
+      fi ;;
     tap-cost)  # paired, step by step (bench/tap_cost.py), then as a throughput difference
       run tapcost python3 -m bench.tap_cost --model "$MODEL" --concurrency 1 8 32 --steps 400
       run tapcost-throughput python3 -m bench.engine_step --model "$MODEL" --concurrency 1 8 32 \

@@ -167,7 +167,7 @@ def main() -> None:
     p.add_argument("--locality", type=float, default=0.5,
                    help="share of each router row reading the context channels (0-1)")  # fmt: skip
     p.add_argument("--context", type=float, default=64,
-                   help="residual channels that carry it (below 1: a share of the width)")  # fmt: skip
+                   help="residual channels that carry it (below 1: a share of all)")  # fmt: skip
     p.add_argument("--boost", type=float, default=8.0,
                    help="scale of the attention's writes to those channels")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
