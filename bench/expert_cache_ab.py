@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> list[tuple[str, float, list[Variant]]]:
             log.info("routing %s set in %.0f s", routing, time.monotonic() - t0)
             counts = work / f"{routing}-counts.json"
             if args.references and routing == args.routings[0]:
-                refs = references(meta.n_expert)
+                refs = references(meta.n_expert)[: 1 if args.references == "gpu" else 2]
                 for v in refs:
                     _measure(args, setup, v, refs, counts, work / f"{routing}-ref", n_layer)
                 results.append((routing, 0, refs))
@@ -342,8 +342,10 @@ def main() -> None:
     )
     p.add_argument(
         "--references",
-        action="store_true",
-        help="also all on the GPU, and every expert cached (each routing)",
+        nargs="?",
+        const="all",
+        choices=["all", "gpu"],
+        help="also all on the GPU, and every expert cached (first routing; gpu: the first only)",
     )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--work", default=".bench/expert-cache-ab")
