@@ -71,6 +71,7 @@ class Variant:
     vram_mib: float | None = None
     notes: list[str] = field(default_factory=list)
     split: dict[str, float] = field(default_factory=dict)  # bench.hybrid_model.Layout
+    hit_by_users: dict[int, float] = field(default_factory=dict)  # the cache's, each N
     resident: float | None = None  # expert layers on the GPU as placed (None: all, or the
     # layers the cache leaves resident)
 
@@ -109,9 +110,12 @@ def in_ram_regex(n_layer: int, tensors: int) -> str:
 
 
 def variants(
-    n_layer: int, n_expert: int, n_used: int, tensors: int, admission: float
-) -> list[Variant]:
-    """The four layouts of one VRAM size (module doc): `tensors` expert tensors' bytes."""
+    n_layer: int, n_expert: int, n_used: int, tensors: int, admission: float,
+    peer_read: bool = False,
+) -> list[Variant]:  # fmt: skip
+    """The layouts of one VRAM size (module doc): `tensors` expert tensors' bytes; with
+    `peer_read`, llama-server a second time reading the model (`--no-mmap`: its weights in
+    RAM page-locked, as ours are) — its best of the two is the peer."""
     k = tensors / 3
     slots = tensors * n_expert // (3 * n_layer) - n_used
     in_ram = in_ram_regex(n_layer, tensors)
@@ -122,8 +126,12 @@ def variants(
     else:
         peer = Variant(f"llama-server -ot (the last {k:.2f} layers on the GPU)", True,
                        ["-ot", f"{in_ram}=CPU"], resident=k)  # fmt: skip
+    peers = [peer]
+    if peer_read:
+        peers.append(Variant(peer.label + " --no-mmap", True, [*peer.args, "--no-mmap"],
+                             resident=k))  # fmt: skip
     return [
-        peer,
+        *peers,
         Variant(
             f"ours, the same {k:g} layers" if tensors % 3 else f"ours, the same {k:g} whole layers",
             False,
@@ -144,23 +152,67 @@ def variants(
     ]
 
 
-def _load(url: str, name: str, users: list[int], isl: int, osl: int, seed: int) -> list[Cell]:
-    sampling = {"temperature": 1.0, "seed": seed}
-    return [
-        asyncio.run(
-            run_load(
-                url,
-                model=name,
-                concurrency=n,
-                requests=n,
-                isl=isl,
-                osl=osl,
-                sampling=sampling,
-                seed=seed + n,
-            )
+PHASES = ("schedule", "fill", "decode", "mask_wait", "sample", "gil", "postprocess", "other")
+
+
+@dataclass(frozen=True, slots=True)
+class Counters:
+    """Our server's counters at one moment: the cache's picks and its decode steps' phases."""
+
+    hits: float = 0.0
+    misses: float = 0.0
+    steps: float = 0.0
+    phases: tuple[float, ...] = (0.0,) * len(PHASES)
+
+    @classmethod
+    def read(cls, url: str) -> Counters:
+        text = httpx.get(url + "/metrics", timeout=30).text
+
+        def get(name: str, **labels: str) -> float:
+            try:
+                return _counter(text, name, **labels)
+            except KeyError:
+                return 0.0
+
+        return cls(
+            get("onegpu_expert_cache_picks_total", result="hit"),
+            get("onegpu_expert_cache_picks_total", result="miss"),
+            get("onegpu_decode_steps_total"),
+            tuple(get("onegpu_decode_step_phase_seconds_total", phase=p) for p in PHASES),
         )
-        for n in users
-    ]
+
+    def since(self, before: Counters) -> str:
+        """What one load's decode steps cost (ms a step by phase) and the cache's hit share
+        over them: the profile of a row."""
+        steps = self.steps - before.steps
+        picks = (self.hits - before.hits) + (self.misses - before.misses)
+        out = [f"cache hits {(self.hits - before.hits) / picks:.1%}"] if picks else []
+        if steps:
+            ms = [(p, 1e3 * (a - b) / steps) for p, a, b in
+                  zip(PHASES, self.phases, before.phases, strict=True)]  # fmt: skip
+            out.append(f"{sum(v for _, v in ms):.1f} ms a decode step (" + ", ".join(
+                f"{p} {v:.1f}" for p, v in ms if v >= 0.05) + ")")  # fmt: skip
+        return "; ".join(out)
+
+
+def _load(
+    srv: Server, name: str, users: list[int], isl: int, osl: int, seed: int, ours: bool
+) -> tuple[list[Cell], dict[int, str], dict[int, float]]:
+    """Each N's cell; with our server, each N's profile and the cache's hit share in it."""
+    sampling = {"temperature": 1.0, "seed": seed}
+    cells, profile, hits = [], {}, {}
+    for n in users:
+        before = Counters.read(srv.url) if ours else None
+        cells.append(asyncio.run(run_load(srv.base_url, model=name, concurrency=n, requests=n,
+                                          isl=isl, osl=osl, sampling=sampling,
+                                          seed=seed + n)))  # fmt: skip
+        if before is not None:
+            after = Counters.read(srv.url)
+            profile[n] = after.since(before)
+            picks = (after.hits - before.hits) + (after.misses - before.misses)
+            if picks:
+                hits[n] = (after.hits - before.hits) / picks
+    return cells, profile, hits
 
 
 def _expert_notes(srv: Server, log_path: Path) -> tuple[list[str], float, int]:
@@ -227,7 +279,7 @@ def run(args: argparse.Namespace) -> list[tuple[str, float, list[Variant]]]:
                 print(report([(routing, 0, refs)]), flush=True)
             for tensors in sizes(args, n_layer):
                 rows = variants(n_layer, meta.n_expert, meta.n_expert_used, tensors,
-                                args.admission)  # fmt: skip
+                                args.admission, args.peer_read)  # fmt: skip
                 for rep in range(args.repeats):
                     for v in rows:
                         stem = work / f"{routing}-{tensors}-{rep}"
@@ -273,13 +325,16 @@ def _measure(
     try:
         with VramPeak(srv.proc.pid) as peak:
             warm_up(srv, setup.name)
-            cells = _load(srv.base_url, setup.name, args.users, args.isl, args.osl, args.seed)
+            cells, profile, hits = _load(srv, setup.name, args.users, args.isl, args.osl,
+                                         args.seed, ours=not v.peer)  # fmt: skip
         for n, c in zip(args.users, cells, strict=True):
             v.cells.setdefault(n, []).append(c)
             print(
-                f"{v.label} N={n}: {c.output_tok_s:.1f} tok/s, per user {c.per_user_tok_s:.1f}",
+                f"{v.label} N={n}: {c.output_tok_s:.1f} tok/s, per user {c.per_user_tok_s:.1f}"
+                + (f"; {profile[n]}" if profile.get(n) else ""),
                 flush=True,
             )
+        v.hit_by_users.update(hits)
         if peak.peak_mib is not None:
             v.vram_mib = max(peak.peak_mib, v.vram_mib or 0.0)
         if v.peer:
@@ -301,14 +356,15 @@ def report(results: list[tuple[str, float, list[Variant]]]) -> str:
         "|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for routing, k, rows in results:
-        peer = rows[0] if rows[0].peer else None
+        peers = [v for v in rows if v.peer]
         for v in rows:
             vram = f"{v.vram_mib:.0f}" if v.vram_mib is not None else "-"
             for n, cells in sorted(v.cells.items()):
                 tok = statistics.median(c.output_tok_s for c in cells)
                 user = statistics.median(c.per_user_tok_s for c in cells)
-                theirs = peer.cells.get(n) if peer else None
-                ratio = tok / statistics.median(c.output_tok_s for c in theirs) if theirs else 0
+                theirs = [statistics.median(c.output_tok_s for c in p.cells[n])
+                          for p in peers if p.cells.get(n)]  # fmt: skip
+                ratio = tok / max(theirs) if theirs else 0  # against the peer's best
                 size = f"{k:g} layers" if k else "reference"
                 out.append(
                     f"| {routing} | {size} | {v.label} | {vram} | {n} | {tok:.1f} "
@@ -332,6 +388,8 @@ def main() -> None:
                         "system's), to the nearest expert tensor")  # fmt: skip
     p.add_argument("--routings", nargs="+", choices=sorted(PRESETS), default=["skewed", "uniform"])
     p.add_argument("--cpu", action="store_true", help="no GPU (a dry run of the flow)")
+    p.add_argument("--peer-read", action=argparse.BooleanOptionalAction, default=True,
+                   help="also llama-server with --no-mmap (the peer: the better)")  # fmt: skip
     p.add_argument("--users", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--isl", type=int, default=64)
     p.add_argument("--osl", type=int, default=128)
@@ -365,6 +423,7 @@ def main() -> None:
                         "vram_mib": v.vram_mib,
                         "notes": v.notes,
                         "split": v.split,
+                        "hit_by_users": v.hit_by_users,
                         "cells": {n: [c.output_tok_s for c in cs] for n, cs in v.cells.items()},
                         "per_user": {
                             n: [c.per_user_tok_s for c in cs] for n, cs in v.cells.items()

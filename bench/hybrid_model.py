@@ -30,6 +30,7 @@ overlap the next step (patch 0005) and are not counted.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -174,14 +175,18 @@ def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def rows_of(results: list[dict[str, Any]]) -> list[Row]:
-    """Rows from `bench.expert_cache_ab --json`: each layout's split as the run reported it."""
+    """Rows from `bench.expert_cache_ab --json`: each layout's split as the run reported it,
+    the cache's hit share of each N's own load where the run measured it."""
     out = []
     for v in results:
         lay = v.get("split")
         if not lay:
             continue
-        layout = Layout(**lay)
+        hits = {int(n): float(h) for n, h in v.get("hit_by_users", {}).items()}
         for n, rates in v["per_user"].items():
+            layout = Layout(**lay)
+            if layout.cached and int(n) in hits:
+                layout = dataclasses.replace(layout, hit=hits[int(n)])
             out.append(Row(f"{v['routing']}, {v['layout']}", layout, int(n),
                            float(np.median(rates))))  # fmt: skip
     return out

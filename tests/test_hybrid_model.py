@@ -107,6 +107,9 @@ def test_the_layouts_of_a_fractional_vram_size_split_layers_by_tensor() -> None:
     assert rows[2].args[:3] == ["--cpu-moe", "--expert-cache-slots", str(7 * 384 // 18 - 6)]
     whole = variants(6, 384, 6, 6, admission=3.0)
     assert whole[0].args == ["--n-cpu-moe", "4"]
+    read = variants(6, 384, 6, 6, admission=3.0, peer_read=True)  # llama-server's best of two
+    assert [v.peer for v in read] == [True, True, False, False, False]
+    assert read[1].args == ["--n-cpu-moe", "4", "--no-mmap"]
 
 
 def test_a_measured_row_s_split_is_what_the_fit_reads() -> None:
@@ -116,8 +119,14 @@ def test_a_measured_row_s_split_is_what_the_fit_reads() -> None:
                                          "in_ram": 6 - 7 / 3, "hit": 0.0}  # fmt: skip
     assert split_of(slots, 6, 0.8, 6)["cached"] == 6 and split_of(slots, 6, 0.8, 6)["hit"] == 0.8
     assert split_of(auto, 6, 0.9, 4)["resident"] == 2  # the planner kept 2 layers whole
-    result = [{"routing": "measured", "layout": whole.label, "split": split_of(whole, 6, 0, 0),
-               "per_user": {"1": [10.0, 12.0, 11.0], "8": [3.0]}}]  # fmt: skip
+    result = [
+        {"routing": "measured", "layout": whole.label, "split": split_of(whole, 6, 0, 0),
+         "per_user": {"1": [10.0, 12.0, 11.0], "8": [3.0]}},
+        {"routing": "measured", "layout": slots.label, "split": split_of(slots, 6, 0.5, 6),
+         "hit_by_users": {"1": 0.7, "8": 0.4}, "per_user": {"1": [9.0], "8": [4.0]}},
+    ]  # fmt: skip
     got = rows_of(result)
-    assert [(r.users, r.per_user_tok_s) for r in got] == [(1, 11.0), (8, 3.0)]
+    assert [(r.users, r.per_user_tok_s) for r in got] == [(1, 11.0), (8, 3.0), (1, 9.0), (8, 4.0)]
     assert got[0].layout == Layout(resident=7 / 3, cached=0, in_ram=6 - 7 / 3, hit=0.0)
+    # each N's own hit share: 8 users' picks spread over more experts than one user's
+    assert [r.layout.hit for r in got[2:]] == [0.7, 0.4]
