@@ -20,7 +20,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from bench.server_proc import Server, start_server
+from bench.server_proc import Server, start_many, start_server
 from engine.expert_split import load_picks
 from tests.test_kv_pressure_e2e import _metric
 from tests.tiny_gguf import Shape, write_qwen3moe
@@ -35,21 +35,31 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_qwen3moe(tmp_path_factory.mktemp("ec") / "moe.gguf", shape=SHAPE, seed=5)
 
 
-def _serve(model: Path, name: str, *extra: str) -> Server:
+def _serve(model: Path, name: str, *extra: str, served: str = "tiny") -> Server:
     return start_server(
-        ["--model", str(model), "--served-model-name", "tiny", "--n-ctx", "2048",
+        ["--model", str(model), "--served-model-name", served, "--n-ctx", "2048",
          "--n-seq-max", "4", "--cpu-moe", "--expert-sample-rate", "1", *extra],
         model.parent / f"{name}.log",
     )  # fmt: skip
 
 
+def cached_and_plain(model: Path, served: str = "tiny") -> Iterator[tuple[Server, Server]]:
+    """Two servers of `model`, experts in RAM: one with a 4-slot cache, one without,
+    started side by side; stopped when the generator ends."""
+    cached, plain = start_many([
+        lambda: _serve(model, "cached", "--expert-cache-slots", "4", served=served),
+        lambda: _serve(model, "plain", "--expert-cache-slots", "0", served=served),
+    ])  # fmt: skip
+    try:
+        yield cached, plain
+    finally:
+        cached.stop()
+        plain.stop()
+
+
 @pytest.fixture(scope="module")
 def servers(model: Path) -> Iterator[tuple[Server, Server]]:
-    cached = _serve(model, "cached", "--expert-cache-slots", "4")
-    plain = _serve(model, "plain", "--expert-cache-slots", "0")
-    yield cached, plain
-    cached.stop()
-    plain.stop()
+    yield from cached_and_plain(model)
 
 
 def _answers(server: Server, logprobs: int | None = None, **extra: object) -> list[Any]:

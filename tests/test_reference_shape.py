@@ -21,9 +21,10 @@ from openai import OpenAI
 
 from bench import synth_moe
 from bench.reference_model import deepseek_like
-from bench.server_proc import Server, start_server
+from bench.server_proc import Server
 from bench.skew_router import PRESETS, set_routing, skew_router
 from engine.gguf_meta import read_meta
+from tests.test_expert_cache_e2e import cached_and_plain
 from tests.test_kv_pressure_e2e import _metric
 
 NARROW = ["--shape", "reference-narrow", "--seed", "3"]
@@ -85,25 +86,9 @@ def test_written_blocks_are_valid_and_zero_mean(model: Path) -> None:
         "deepseek2", N_LAYER, N_EXPERT, N_USED)  # fmt: skip
 
 
-def _serve(model: Path, name: str, *extra: str) -> Server:
-    return start_server(
-        ["--model", str(model), "--served-model-name", "ref", "--n-ctx", "2048",
-         "--n-seq-max", "4", "--cpu-moe", "--expert-sample-rate", "1", *extra],
-        model.parent / f"{name}.log",
-    )  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def servers(model: Path) -> Iterator[tuple[Server, Server]]:
-    cached = _serve(model, "cached", "--expert-cache-slots", "4")
-    try:
-        plain = _serve(model, "plain", "--expert-cache-slots", "0")
-    except BaseException:
-        cached.stop()
-        raise
-    yield cached, plain
-    cached.stop()
-    plain.stop()
+    yield from cached_and_plain(model, served="ref")
 
 
 def _answers(server: Server) -> list[list[str]]:
