@@ -52,7 +52,7 @@ from bench.compare import Setup, warm_up
 from bench.loadgen import run_load
 from bench.routing_curve import _counter
 from bench.server_proc import Server
-from bench.skew_router import PRESETS, set_routing
+from bench.skew_router import PRESETS, preset, set_routing
 from bench.vram import VramPeak
 from engine.gguf_meta import read_meta
 from engine.plan import expert_layer
@@ -268,7 +268,7 @@ def run(args: argparse.Namespace) -> list[tuple[str, float, list[Variant]]]:
     try:
         for routing in args.routings:
             t0 = time.monotonic()
-            set_routing(model, PRESETS[routing], originals)
+            set_routing(model, preset(routing, model), originals)
             log.info("routing %s set in %.0f s", routing, time.monotonic() - t0)
             counts = work / f"{routing}-counts.json"
             if args.references and routing == args.routings[0]:

@@ -37,7 +37,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.server_proc import Server, start_server
-from bench.skew_router import PRESETS, Routing, skew_router
+from bench.skew_router import PRESETS, Routing, preset, skew_router
 from engine.expert_split import load_picks
 from engine.gguf_meta import read_meta
 
@@ -148,7 +148,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="routing-"))
     base = a.model or _generated(work / "moe.gguf", a.experts, a.used)
     routings = a.routings.split(",")
-    settings = {**PRESETS, "custom": Routing(a.skew, a.locality)}
+    settings = {**{n: preset(n, base) for n in PRESETS}, "custom": Routing(a.skew, a.locality)}
     models = {}
     for routing in routings:  # a copy of the model for each rewritten routing
         r = settings[routing]
