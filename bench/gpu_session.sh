@@ -23,7 +23,8 @@
 #   batches of 512 and 2048 rows), cache-cuda and cache-curve (the routed-expert cache on
 #   the GPU: its tests, then bench.routing_curve; with .gpu-pre/ from
 #   bench/gpu_crossbuild.sh nothing is built here), reference (issue 45: the reference model's
-#   width, a 7-layer slice: load, expert-cache A/B, cost model; reference-ab without the load).
+#   width, a 7-layer slice: load, expert-cache A/B, cost model; reference-ab without the load),
+#   zero-copy (issue 46: bench/zero_copy.cu, host memory read in place by the GPU).
 #   At the end every result file is concatenated into
 #   RESULTS/all.txt: the device returns only a few files.
 set -uo pipefail
@@ -38,7 +39,7 @@ if [ ! -f "$W/env.sh" ]; then
     bash bench/gpu_prebuilt.sh "$W" > "$R/build.txt" 2>&1 || { echo failed > "$R/build.failed"; exit 1; }
   else  # built here (~5 min on 16 cores), and packed into RESULTS/pack for the next calls
     # (the 30B-A3B model only if a step measures it: the reference slice needs the disk)
-    need30=1; for s in "${steps[@]}"; do [[ $s == reference* ]] && need30=0; done
+    need30=1; for s in "${steps[@]}"; do [[ $s == reference* || $s == zero-copy ]] && need30=0; done
     SYNTH30=$need30 PACK="$R/pack" bash bench/gpu_build.sh "$W" > "$R/build.txt" 2>&1 \
       || { echo failed > "$R/build.failed"; exit 1; }
   fi
@@ -49,12 +50,13 @@ synth() {  # OUT LAYERS: the Qwen3-30B-A3B shape (as gpu_build.sh writes it), at
     --layers "$2" --embd 2048 --heads 32 --kv-heads 4 --head-dim 128 --ff 6144 \
     --experts 128 --used 8 --ff-exp 768 --vocab 151936 > "$1.log" 2>&1 && mv "$1.tmp" "$1"
 }
-only_ref=1; for s in "${steps[@]}"; do [[ $s == reference* ]] || only_ref=0; done
+only_ref=1; for s in "${steps[@]}"; do [[ $s == reference* || $s == zero-copy ]] || only_ref=0; done
 if [ $only_ref = 0 ]; then  # (the reference steps check the kit on a narrow model of their own)
   synth "$CURVE_MODEL" 12 || { echo "no $CURVE_MODEL" > "$R/build.failed"; exit 1; }
 fi
 for s in "${steps[@]}"; do  # the other steps' model, written while the first steps run
-  if [[ $s != cache-cuda && $s != cache-e2e && $s != cache-curve && $s != reference* ]] \
+  if [[ $s != cache-cuda && $s != cache-e2e && $s != cache-curve && $s != reference* \
+    && $s != zero-copy ]] \
     && [ ! -f "$W/moe30.gguf" ]; then
     synth "$W/moe30.gguf" 48 &
     synth30=$!
@@ -274,6 +276,10 @@ for s in "${steps[@]}"; do
         run ref-load timeout 600 python3 -m bench.load_time --model "$W/ref7.gguf" \
           --work /tmp/w/load -- --cpu-moe --expert-cache-slots 32
       fi ;;
+    zero-copy)  # issue 46: a GPU kernel reading page-locked host memory in place, beside
+      # the copy engine and VRAM (what a missed expert costs computed on the GPU from RAM)
+      nvcc=$(command -v nvcc || ls /usr/local/cuda*/bin/nvcc 2>/dev/null | head -1)
+      run zero-copy bash -c "$nvcc -O2 -arch=sm_90 -o /tmp/zero_copy bench/zero_copy.cu && /tmp/zero_copy" ;;
     tap-cost)  # paired, step by step (bench/tap_cost.py), then as a throughput difference
       run tapcost python3 -m bench.tap_cost --model "$MODEL" --concurrency 1 8 32 --steps 400
       run tapcost-throughput python3 -m bench.engine_step --model "$MODEL" --concurrency 1 8 32 \
