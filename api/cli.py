@@ -84,6 +84,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--expert-cache-uploads", type=int, default=1, metavar="N",
                    help="experts a cached layer uploads after a step at most")  # fmt: skip
     s.add_argument(
+        "--expert-cache-misses", choices=["cpu", "gpu"], default="cpu",
+        help="where cached layers compute the picks not in the bank: the CPU (a host round "
+        "trip a layer) or the GPU reading host RAM in place over PCIe (decode steps)",
+    )  # fmt: skip
+    s.add_argument(
         "--expert-cache-admission", type=float, default=3.0, metavar="PICKS",
         help="a missed expert enters a full bank only when its recent picks (each decaying "
         "5%% a step) beat the weakest cached expert's by this many (0 = LRU: every miss)",
@@ -468,6 +473,7 @@ def serve_settings(args: argparse.Namespace) -> ServerSettings:
         # cache on the CPU, for tests); auto: as the plan splits the experts' VRAM
         expert_cache_slots=max(0, args.expert_cache_slots),
         expert_cache_admission=max(0.0, args.expert_cache_admission),
+        expert_cache_misses=args.expert_cache_misses,
         expert_cache_fill=None if counts is None else str(counts),
         expert_cache_uploads=args.expert_cache_uploads,
         use_mmap=args.mmap,

@@ -76,6 +76,16 @@ class Variant:
     # layers the cache leaves resident)
 
 
+def misses_on_gpu(rows: list[Variant]) -> list[Variant]:
+    """Each of our cached rows again with the misses computed by the GPU from host RAM in
+    place (`--expert-cache-misses gpu`, patch 0006): no CPU split in a cached layer."""
+    cached = [v for v in rows if not v.peer and "--expert-cache-slots" in v.args
+              and v.args[v.args.index("--expert-cache-slots") + 1] != "0"]  # fmt: skip
+    return rows + [Variant(v.label + ", misses on the GPU", False,
+                           [*v.args, "--expert-cache-misses", "gpu"], auto=v.auto,
+                           resident=v.resident) for v in cached]  # fmt: skip
+
+
 def references(n_expert: int) -> list[Variant]:
     """Where the cache's path ends: every expert on the GPU, and every expert in RAM with a
     bank that holds them all (uploaded in the first steps, then every pick a hit) — what
@@ -273,6 +283,7 @@ def run(args: argparse.Namespace) -> list[tuple[str, float, list[Variant]]]:
             counts = work / f"{routing}-counts.json"
             if args.references and routing == args.routings[0]:
                 refs = references(meta.n_expert)[: 1 if args.references == "gpu" else 2]
+                refs = misses_on_gpu(refs) if args.misses_gpu else refs
                 for v in refs:
                     _measure(args, setup, v, refs, counts, work / f"{routing}-ref", n_layer)
                 results.append((routing, 0, refs))
@@ -280,6 +291,7 @@ def run(args: argparse.Namespace) -> list[tuple[str, float, list[Variant]]]:
             for tensors in sizes(args, n_layer):
                 rows = variants(n_layer, meta.n_expert, meta.n_expert_used, tensors,
                                 args.admission, args.peer_read)  # fmt: skip
+                rows = misses_on_gpu(rows) if args.misses_gpu else rows
                 for rep in range(args.repeats):
                     for v in rows:
                         stem = work / f"{routing}-{tensors}-{rep}"
@@ -390,6 +402,8 @@ def main() -> None:
     p.add_argument("--cpu", action="store_true", help="no GPU (a dry run of the flow)")
     p.add_argument("--peer-read", action=argparse.BooleanOptionalAction, default=True,
                    help="also llama-server with --no-mmap (the peer: the better)")  # fmt: skip
+    p.add_argument("--misses-gpu", action="store_true",
+                   help="each cached row also with --expert-cache-misses gpu")  # fmt: skip
     p.add_argument("--users", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--isl", type=int, default=64)
     p.add_argument("--osl", type=int, default=128)

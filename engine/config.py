@@ -65,6 +65,10 @@ class EngineConfig:
     # this much (engine.moe_cache.set_admission); 0 = plain LRU, every miss may replace. 3:
     # on the routing curves, as many hits as LRU for a third to a fifth of its uploads.
     expert_cache_admission: float = 3.0
+    # Where cached layers compute their misses (engine.moe_cache.set_misses): "cpu", from
+    # the host tensors (a host round trip a layer); "gpu", the GPU reading them in place over
+    # PCIe (no round trip; a miss costs its bytes over the bus), for decode steps.
+    expert_cache_misses: str = "cpu"
     # Router pick counts (`PickCounts` JSON) whose most picked experts fill the bank at load,
     # before any request: --pick-counts, or the counts a previous run saved (engine.pick_store).
     expert_cache_fill: str | None = None

@@ -251,6 +251,9 @@ class Model:
             )  # fmt: skip
             if n > 0:
                 moe_cache.set_admission(self.main.ctx, cfg.expert_cache_admission)
+                if cfg.expert_cache_misses == "gpu":
+                    on = moe_cache.set_misses(self.main.ctx, cfg.n_seq_max)
+                    log.info("routed-expert cache: misses of %d of %d layers on the GPU", on, n)
                 self._fill_expert_cache(cfg.expert_cache_slots)
         except moe_cache.ExpertCacheError as e:
             raise ModelLoadError(f"routed-expert cache: {e}") from e

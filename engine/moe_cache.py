@@ -1,7 +1,8 @@
 """The routed-expert cache of our llama.cpp patches 0002 (the cache), 0003 (its per-layer
-counters), 0004 (admission by decayed pick counts, one read-back a step) and 0005 (on a
+counters), 0004 (admission by decayed pick counts, one read-back a step), 0005 (on a
 GPU, uploads from pinned pages on a stream of their own, overlapped with the next step; a
-bank filled before the first request), through ctypes.
+bank filled before the first request) and 0006 (the misses computed by the GPU from host
+RAM in place, `set_misses`), through ctypes.
 
 For a context whose expert tensors live in host RAM (`--cpu-moe`, or a plan that leaves
 layers there), the patch keeps a small bank of expert slices on a device — the GPU, or the
@@ -66,6 +67,15 @@ def _lib() -> Any:
     return lib
 
 
+@functools.cache
+def _set_misses() -> Any:
+    """Patch 0006's function, declared on first use (a library built before it still
+    serves every other call)."""
+    fn = _lib().llama_moe_cache_set_misses
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_int32], ctypes.c_int32
+    return fn
+
+
 def configure(
     ctx: Any, slots: int, *, max_uploads: int, max_tokens: int, device: str | None = None
 ) -> int:
@@ -93,6 +103,21 @@ def set_admission(ctx: Any, margin: float, decay: float = DECAY) -> None:
     under uniform routing no expert stays ahead, so the bank stops turning over."""
     if int(_lib().llama_moe_cache_set_admission(ctx, decay, margin)) != 0:
         raise ExpertCacheError("the routed-expert cache is off")
+
+
+def set_misses(ctx: Any, max_tokens: int) -> int:
+    """Where cached layers compute their misses (patch 0006): on the CPU from the host
+    tensors — a split of each layer's graph, the GPU and the CPU waiting for each other, a
+    host round trip a layer even when every pick hit — or, for steps of at most
+    `max_tokens` tokens (0: none), on the cache's device, which reads the missed experts'
+    pages in place over the bus: no split, the layer never leaves the GPU, and a miss
+    costs its bytes over PCIe. Capped per layer by the batch up to which the GPU's kernels
+    skip the cached picks. Returns the layers whose misses the device can compute (0 where
+    it cannot read host memory, as on the CPU)."""
+    n = int(_set_misses()(ctx, max_tokens))
+    if n < 0:
+        raise ExpertCacheError("the routed-expert cache is off")
+    return n
 
 
 def pin(ctx: Any, layer: int, expert: int) -> None:

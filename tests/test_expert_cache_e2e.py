@@ -62,6 +62,13 @@ def servers(model: Path) -> Iterator[tuple[Server, Server]]:
     yield from cached_and_plain(model)
 
 
+def on_gpu() -> bool:
+    """Whether this checkout's llama.cpp offloads to a GPU (the servers then use it)."""
+    from engine._capi import llama
+
+    return bool(llama().llama_supports_gpu_offload())
+
+
 def _answers(server: Server, logprobs: int | None = None, **extra: object) -> list[Any]:
     """Greedy answers to PROMPTS: texts, or (text, top logprobs) pairs with `logprobs`."""
     client = OpenAI(base_url=server.base_url, api_key="x", _strict_response_validation=True)
@@ -147,15 +154,21 @@ def test_saved_pick_counts_are_what_the_planner_reads(
     assert bad.returncode == 2 and "cannot read --pick-counts" in bad.stderr
 
 
-def test_q4_0_experts_in_ram_are_cached(tmp_path: Path) -> None:
+@pytest.mark.parametrize("misses", ["cpu", "gpu"])
+def test_q4_0_experts_in_ram_are_cached(tmp_path: Path, misses: str) -> None:
     """Q4_0 experts (the benchmarks' type) kept in RAM are cached too: llama.cpp repacks
     such tensors for the CPU's kernels on AVX2 hosts, even mapped, and a repacked tensor is
     not the GGUF bytes the bank copies — with the cache on they stay plain. Without that the
-    cache was silently off for Q4_0 models."""
+    cache was silently off for Q4_0 models. With `--expert-cache-misses gpu` the GPU reads
+    the misses from RAM in place (every layer, on a GPU host; none on the CPU, where the
+    server says so and serves as before)."""
     path = write_qwen3moe(tmp_path / "moe-q4.gguf", shape=SHAPE, seed=5, wtype="q4_0")
-    server = _serve(path, "q4", "--expert-cache-slots", "4")
+    server = _serve(path, "q4", "--expert-cache-slots", "4", "--expert-cache-misses", misses)
     try:
         assert _metric(server, "onegpu_expert_cache_layers") == SHAPE.n_layer
+        if misses == "gpu":
+            on = SHAPE.n_layer if on_gpu() else 0
+            assert f"misses of {on} of {SHAPE.n_layer} layers on the GPU" in server.log()
         _answers(server)
         hits, misses, _ = _cache(server)
         assert hits + misses >= len(PROMPTS) * 23 * SHAPE.n_expert_used * SHAPE.n_layer

@@ -58,6 +58,7 @@ class Tiny:
         per_matrix = SHAPE.n_embd * SHAPE.n_ff_exp // block * size
         self.expert_bytes = 3 * per_matrix  # gate, up, down
         self.path = path
+        self.quantized = wtype == "q4_0"
         self.ll = ll = llama()
         self.model = self._load([CPU_MOE])
         self.vocab = ll.llama_model_get_vocab(self.model)
@@ -218,14 +219,19 @@ def test_a_batch_over_max_tokens_takes_llama_cpp_s_usual_path(tiny: Tiny) -> Non
 
 
 @pytest.mark.parametrize(
-    ("slots", "uploads", "pin_all"), [(1, 1, False), (3, 2, False), (8, 2, False), (8, 0, True)]
-)
+    ("slots", "uploads", "pin_all", "misses_on_device"),
+    [(1, 1, False, False), (3, 2, False, False), (8, 2, False, False), (8, 0, True, False),
+     (3, 2, False, True), (8, 0, True, True)],
+)  # fmt: skip
 def test_answers_with_the_cache_equal_answers_without_it(
-    tiny: Tiny, slots: int, uploads: int, pin_all: bool
+    tiny: Tiny, slots: int, uploads: int, pin_all: bool, misses_on_device: bool
 ) -> None:
     """Greedy tokens and every step's logits, four prompts of 64 tokens, prompts fed in
     4-token chunks so that batches of several tokens (several pad slots a row) go through
-    the cache too; one slot, a few, all learned by LRU, all pinned."""
+    the cache too; one slot, a few, all learned by LRU, all pinned. With the misses asked
+    of the device (patch 0006): on a GPU, quantized experts' misses read from host RAM by
+    its kernels, which must skip the cached picks (-1 ids) exactly; on the CPU, and for
+    unquantized experts, no layer qualifies and the answers stay the CPU's."""
     ctx = tiny.context()
     try:
         prompts = [tiny.tokenize(p) for p in PROMPTS]
@@ -234,6 +240,9 @@ def test_answers_with_the_cache_equal_answers_without_it(
         assert (
             moe_cache.configure(ctx, slots, max_uploads=uploads, max_tokens=8, device=DEVICE) == 3
         )
+        if misses_on_device:
+            on_gpu = DEVICE != "CPU" and tiny.quantized
+            assert moe_cache.set_misses(ctx, 8) == (3 if on_gpu else 0)
         if pin_all:
             for layer in range(SHAPE.n_layer):
                 for e in range(SHAPE.n_expert):
