@@ -43,7 +43,9 @@ class ChunkGrant:
             not prefilling and not others_waiting and all(len(r.output_ids) < 2 for r in decoders)
         )
         n = len(decoders)
-        return StepDraft(n, sum(r.num_computed for r in decoders), n > 0 or others_waiting, burst)
+        ahead = sum(max(1, r.max_tokens - len(r.output_ids)) for r in decoders) / n if n else 1.0
+        return StepDraft(n, sum(r.num_computed for r in decoders), n > 0 or others_waiting, burst,
+                         ahead=ahead)  # fmt: skip
 
     def running(self, draft: StepDraft, req: Request, budget: int, behind: int) -> int | None:
         """The next chunk of a prompt under way (0: none granted); None when it would not

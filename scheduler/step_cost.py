@@ -33,6 +33,7 @@ class StepDraft:
     exempt: bool = False  # a burst's step: its prompts arrived with its decoders
     chunks: list[tuple[int, int]] = field(default_factory=list)  # prompt (tokens, depth)
     finishing: int = 0  # of its chunks, those that end a prompt (a first token at its end)
+    ahead: float = 1.0  # tokens its decoders still have to come, a mean (at least 1)
 
     @property
     def rows(self) -> int:
@@ -60,6 +61,7 @@ class StepCostModel:
         # Taken as per token, chunks stayed at the minimum: nothing ever told it otherwise.
         self._prompt = NonNegativeFit(5, first=(4,))
         self.largest_rows = 0  # of recent steps with prompts (decaying)
+        self.smallest_rows = 0  # ... and the smallest (rising back by the same rate)
         self._pays: bool | None = None
 
     @property
@@ -98,20 +100,39 @@ class StepCostModel:
         return self.prompt_time(StepDraft(chunks=[(n, depth)]))
 
     def joins(self, step: StepDraft, n: int, depth: int, behind: int) -> bool:
-        """Should a prompt chunk join a step that already ends other prompts? Joining
-        delays each of their first tokens by the chunk's own time in the step; left out,
-        it and the `behind` prompts queued after it each wait one more step's base time
-        (the decoders' step, or a bare step's fixed cost), the work being the same. For
-        the least mean time to first token it joins when that saving is at least the
-        delay: on a GPU, where a step's base time dwarfs a chunk's, prompts share steps;
-        on a few CPU cores, where a prompt costs its tokens, they go about one a step
-        (seven chat turns of 128 tokens in one step took 3.7 s, each alone ~0.7 s)."""
+        """Should a prompt chunk join a step that already ends other prompts? By the time
+        users wait. Joined, the step takes the chunk's marginal time in it (`delay`): each
+        finishing prompt's first token comes that much later. Left out, the chunk and the
+        `behind` prompts queued after it wait one more step's base time (the decoders'
+        step, or a bare step's fixed cost), and the chunk later costs its time in a step of
+        its own (`alone`) instead of `delay` — machine time that every stream, the chunk's
+        included, then waits in each token it still has to come (`ahead`). Where a
+        prompt's rows cost less batched than alone (a physical batch's fixed cost, the
+        weights read once for all its rows: on a CPU a 128-token prompt costs ~2.6 ms a
+        token alone and ~1.6 in a 2,048-row batch) the saving repeats in every later token
+        of every stream and the chunk joins, as llama-server batches every waiting prompt.
+        Where rows cost the same in any step (the work is the same either way), prompts go
+        about one a step on a few CPU cores, where each costs its tokens — the first comes
+        sooner and the mean time to first token is lower — and share steps on a GPU, where
+        a step's base time dwarfs a chunk's. Where a larger step costs more than its parts
+        (a row that opens another attention tile or physical batch), the chunk waits.
+        Spreading prompts without counting the batching lost cost 16 chat users on the CPU
+        0.70x llama-server's decode rate and stream pauses 4x as long at p99."""
         if not step.finishing or not (self.knows_prompts and self._decode.ready):
             return True  # (nothing known yet of what a step costs: they share it)
+        if 2 * self.smallest_rows > self.largest_rows:
+            # steps with prompts all of about one size cannot tell a row's cost in a small
+            # step from one in a large: as llama-server, they share it (a wave of prompts
+            # in one step, then another, taught a 2-core CPU no batching economy and it
+            # spread the next wave one prompt a step, at 0.9x the decode rate)
+            return True
         with_it = StepDraft(step.n_decode, step.decode_cells, chunks=[*step.chunks, (n, depth)])
         delay = self.prompt_time(with_it) - self.prompt_time(step)
+        alone = self.prompt_time(StepDraft(step.n_decode, step.decode_cells, chunks=[(n, depth)]))
         base = self.decode_time(step.n_decode, step.decode_cells)
-        return (1 + behind) * base >= step.finishing * delay
+        streams = step.n_decode + step.finishing + 1
+        saved = streams * max(step.ahead, 1.0) * (alone - delay)
+        return (1 + behind) * base + saved >= step.finishing * delay
 
     def trusted_rows(self) -> int:
         """The largest step with prompts the model may plan: twice the largest it learned
@@ -154,6 +175,8 @@ class StepCostModel:
                 self._judge_batching()
             return
         self.largest_rows = max(step.rows, int(self.largest_rows * self.SEEN_DECAY))
+        rising = self.smallest_rows / self.SEEN_DECAY + 1
+        self.smallest_rows = min(step.rows, int(rising)) if self.smallest_rows else step.rows
         rest = max(seconds - self.decode_time(step.n_decode, step.decode_cells), 0.0)
         self._prompt.add(self._prompt_x(step), rest)
 
