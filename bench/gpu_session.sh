@@ -269,7 +269,7 @@ for s in "${steps[@]}"; do
         --model "$W/ref7.gguf" --peer-bin "$PEER_BIN" --vram-share 0.38 \
         --routings ${REF_ROUTINGS:-measured skewed uniform} --admission 3 --osl 64 \
         --references "${REF_REFERENCES:-all}" --users ${REF_USERS:-1 4 8} \
-        --work /tmp/w/refab --json "$R/ref-ab.json"
+        --work /tmp/w/refab --json "$R/ref-ab.json" ${REF_MISSES_GPU:+--misses-gpu}
       cp "$R/ref-ab.json" "$R/ref-ab-json.txt" 2>/dev/null  # (all.txt takes .txt files)
       run ref-model python3 -m bench.hybrid_model --fit "$R/ref-ab.json" \
         --model "$W/ref7.gguf" --out "$R/ref-constants.json" --reference
