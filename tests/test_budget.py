@@ -9,6 +9,7 @@ import random
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -19,6 +20,16 @@ from scheduler.step_cost import StepCostModel, StepDraft
 from tests.fake_engine import FakeEngine, make_request
 
 Machine = Callable[[StepBatch], float]
+
+
+def run_step(sched: Scheduler, fake: FakeEngine, machine: Machine, now: float) -> tuple[Any, float]:
+    """One step of `sched` on `fake`, timed by `machine`: its outputs and the clock after."""
+    out = sched.schedule(now)
+    res = fake.step(out.batch)
+    res.decode_s = machine(out.batch)
+    now += res.decode_s
+    outputs, _ = sched.postprocess(out, res, now)
+    return outputs, now
 
 
 def linear(batch: StepBatch) -> float:
@@ -485,11 +496,7 @@ def test_a_newcomer_is_not_stalled_by_a_prefill_under_way_when_old_decoders_leav
             sched.add(newcomer)
         if newcomer is not None and len(newcomer.output_ids) == 1:
             sched.abort("old", 0.0)  # its client leaves as the newcomer starts decoding
-        out = sched.schedule(now)
-        res = fake.step(out.batch)
-        res.decode_s = cpu_attention(out.batch)
-        now += res.decode_s
-        outputs, _ = sched.postprocess(out, res, now)
+        outputs, now = run_step(sched, fake, cpu_attention, now)
         for o in outputs:
             if o.req_id == "new" and "new" in last:
                 gaps.append(now - last["new"])
@@ -673,11 +680,7 @@ def run_users(machine: Machine, ours: bool, spread: float = 0.0, users: int = 16
     for _ in range(100_000):
         if not sched.waiting and not sched.running:
             break
-        out = sched.schedule(now)
-        res = fake.step(out.batch)
-        res.decode_s = machine(out.batch)
-        now += res.decode_s
-        outputs, _ = sched.postprocess(out, res, now)
+        outputs, now = run_step(sched, fake, machine, now)
         for o in outputs:
             if not o.token_ids:
                 continue
