@@ -85,6 +85,7 @@ class Layout:
     cached: int = 0
     in_ram: float = 0.0
     hit: float = 0.0
+    misses_on_gpu: bool = False  # the cached layers' misses read by the GPU over the bus
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,13 +101,30 @@ class Constants:
                 f"round trip {self.r * 1e6:.0f} us")  # fmt: skip
 
 
+# What a GPU kernel reads from page-locked host memory in place, a byte (bench/zero_copy.cu
+# on an H100: 46-51 GB/s, the copy engine's rate): a miss computed on the GPU (patch 0006)
+BUS_S_PER_BYTE = 1 / 50e9
+
+
+def bus_bytes(shape: Shape, layout: Layout, users: int) -> float:
+    """What the GPU reads over the bus a step when the cached layers' misses are its (every
+    missed pick read once: its kernels give each token's pick a warp of its own)."""
+    if not layout.misses_on_gpu:
+        return 0.0
+    return layout.cached * (1 - layout.hit) * users * shape.k * shape.expert_bytes
+
+
 def terms(
     shape: Shape, layout: Layout, users: int, split_all_hit: bool = True
 ) -> tuple[float, float, float, float]:
-    """A step's (1, GPU bytes, CPU bytes, round trips): the coefficients of t0, g, c, r."""
+    """A step's (1, GPU bytes, CPU bytes, round trips): the coefficients of t0, g, c, r.
+    With the misses on the GPU a cached layer has neither CPU bytes nor a round trip (its
+    bus bytes are priced by `bus_bytes`)."""
     d = shape.distinct(users)
     e = shape.expert_bytes
     gpu = shape.other_bytes + (layout.resident + layout.cached * layout.hit) * d * e
+    if layout.misses_on_gpu:
+        return 1.0, gpu, layout.in_ram * d * e, math.ceil(layout.in_ram - 1e-9)
     cpu = (layout.cached * (1 - layout.hit) + layout.in_ram) * d * e
     picks = users * shape.k  # a cached layer skips its CPU part only when all of them hit
     cached_trips = layout.cached * (1.0 if split_all_hit else 1 - layout.hit**picks)
@@ -118,13 +136,16 @@ def step_time(
     k: Constants, shape: Shape, layout: Layout, users: int, split_all_hit: bool = True
 ) -> float:
     one, gpu, cpu, trips = terms(shape, layout, users, split_all_hit)
-    return k.t0 * one + k.g * gpu + k.c * cpu + k.r * trips
+    bus = BUS_S_PER_BYTE * bus_bytes(shape, layout, users)
+    return k.t0 * one + k.g * gpu + k.c * cpu + k.r * trips + bus
 
 
 def breakdown(k: Constants, shape: Shape, layout: Layout, users: int) -> dict[str, float]:
-    """Seconds of a step each constant accounts for: which one dominates."""
+    """Seconds of a step each constant accounts for: which one dominates (a miss read by
+    the GPU over the bus counted with the CPU's reads)."""
     one, gpu, cpu, trips = terms(shape, layout, users)
-    return {"fixed": k.t0 * one, "GPU reads": k.g * gpu, "CPU reads": k.c * cpu,
+    bus = BUS_S_PER_BYTE * bus_bytes(shape, layout, users)
+    return {"fixed": k.t0 * one, "GPU reads": k.g * gpu, "CPU reads": k.c * cpu + bus,
             "round trips": k.r * trips}  # fmt: skip
 
 
@@ -248,11 +269,13 @@ def reference(k: Constants, vram_gb: float = 96.0, ram_gb: float = 280.0) -> str
         f"GPU). Whole layers: {resident} of {shape.n_moe} on the GPU. Constants: "
         f"{k.describe()}. A model, not a measurement.",
         "",
-        "| layout | users | tok/s | per user | fixed | GPU reads | CPU reads | round trips |",
+        "| layout | users | tok/s | per user | fixed | GPU reads | host reads | round trips |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    on_gpu = dataclasses.replace(cached, misses_on_gpu=True)
     rows = [("whole layers", layers, True), ("cache", cached, True),
-            ("cache, all-hit layers skip the CPU", cached, False)]  # fmt: skip
+            ("cache, all-hit layers skip the CPU", cached, False),
+            ("cache, misses read by the GPU over the bus", on_gpu, True)]  # fmt: skip
     for label, layout, split in rows:
         for users in (1, 8):
             t = step_time(k, shape, layout, users, split)

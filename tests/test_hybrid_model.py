@@ -9,6 +9,7 @@ import pytest
 
 from bench.expert_cache_ab import in_ram_regex, split_of, variants
 from bench.hybrid_model import (
+    BUS_S_PER_BYTE,
     MEASURED_CURVE,
     Constants,
     Layout,
@@ -65,6 +66,19 @@ def test_what_each_layout_costs_follows_the_bytes_and_the_round_trips() -> None:
     assert step_time(TRUE, SHAPE, low, 8) > step_time(TRUE, SHAPE, low, 1)
     assert step_time(TRUE, SHAPE, low, 1) > step_time(TRUE, SHAPE, cached, 1)
     assert SHAPE.distinct(1) == pytest.approx(6) and SHAPE.distinct(10**6) == pytest.approx(384)
+    # misses read by the GPU over the bus (patch 0006): no round trip, each missed pick's
+    # bytes at the bus's rate — all-GPU where every pick hits, dearer with users than the
+    # CPU's reads of distinct experts
+    on_gpu = Layout(resident=0, cached=6, hit=1.0, misses_on_gpu=True)
+    assert step_time(TRUE, SHAPE, on_gpu, 1) == pytest.approx(all_gpu)
+    half = Layout(resident=0, cached=6, hit=0.5, misses_on_gpu=True)
+    bus = 6 * 0.5 * 6 * SHAPE.expert_bytes * BUS_S_PER_BYTE  # 1 user: 3 missed picks a layer
+    assert step_time(TRUE, SHAPE, half, 1) == pytest.approx(
+        step_time(TRUE, SHAPE, Layout(resident=0, cached=6, hit=0.5), 1, split_all_hit=False)
+        - 6 * 0.5 * SHAPE.distinct(1) * SHAPE.expert_bytes * TRUE.c
+        - 6 * (1 - 0.5**6) * TRUE.r
+        + bus
+    )
 
 
 def test_the_measured_curve_goes_through_the_real_model_s_points() -> None:
@@ -84,7 +98,8 @@ def test_the_reference_model_s_prediction_says_what_it_is_and_where_time_goes() 
         for m in re.finditer(r"^\| ([^|]+) \| (\d) \| ([\d.]+) \|", text, re.M)
     }
     assert set(rows) == {(label, n) for label in ("whole layers", "cache",
-                         "cache, all-hit layers skip the CPU") for n in (1, 8)}  # fmt: skip
+                         "cache, all-hit layers skip the CPU",
+                         "cache, misses read by the GPU over the bus") for n in (1, 8)}  # fmt: skip
     for n in (1, 8):  # a cache in the same VRAM serves more picks on the GPU: faster
         assert rows["cache", n] > rows["whole layers", n]
         assert rows["cache, all-hit layers skip the CPU", n] >= rows["cache", n]
