@@ -199,11 +199,11 @@ class StallTarget:
         second over the target, cost 4 users chunked 0.85-0.99x llama-server's decode rate
         and 1.2-2.5x its first-token time, for pauses at most a third shorter."""
         base = self.cost.step_time(step)  # the step as drafted, without this prompt
-        k, last = -(-rest // n), rest - (-(-rest // n) - 1) * n
-        chunked = (k - 1) * (self._time(step, n, depth) - base) + self._time(step, last, depth)
-        whole = self._time(step, rest, depth)
-        lost = chunked - whole  # prompt work the chunks' steps add beyond one step's
-        saved = whole - self._time(step, n, depth)  # the longest pause, shortened
+        full, last = divmod(rest, n)  # whole chunks of n, and what is left
+        part, whole = self._time(step, n, depth), self._time(step, rest, depth)
+        chunked = full * (part - base) + (self._time(step, last, depth) - base if last else 0.0)
+        lost = chunked + base - whole  # prompt work the chunks' steps add beyond one step's
+        saved = whole - part  # the longest pause, shortened
         return rest if lost >= saved else n
 
     def _time(self, step: StepDraft, n: int, depth: int) -> float:

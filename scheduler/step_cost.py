@@ -131,7 +131,7 @@ class StepCostModel:
         alone = self.prompt_time(StepDraft(step.n_decode, step.decode_cells, chunks=[(n, depth)]))
         base = self.decode_time(step.n_decode, step.decode_cells)
         streams = step.n_decode + step.finishing + 1
-        saved = streams * max(step.ahead, 1.0) * (alone - delay)
+        saved = streams * step.ahead * (alone - delay)
         return (1 + behind) * base + saved >= step.finishing * delay
 
     def trusted_rows(self) -> int:

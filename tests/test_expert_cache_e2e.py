@@ -20,7 +20,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from bench.server_proc import Server, start_many, start_server
+from bench.server_proc import Server, on_gpu, start_many, start_server
 from engine.expert_split import load_picks
 from tests.test_kv_pressure_e2e import _metric
 from tests.tiny_gguf import Shape, write_qwen3moe
@@ -60,13 +60,6 @@ def cached_and_plain(model: Path, served: str = "tiny") -> Iterator[tuple[Server
 @pytest.fixture(scope="module")
 def servers(model: Path) -> Iterator[tuple[Server, Server]]:
     yield from cached_and_plain(model)
-
-
-def on_gpu() -> bool:
-    """Whether this checkout's llama.cpp offloads to a GPU (the servers then use it)."""
-    from engine._capi import llama
-
-    return bool(llama().llama_supports_gpu_offload())
 
 
 def _answers(server: Server, logprobs: int | None = None, **extra: object) -> list[Any]:
@@ -154,8 +147,8 @@ def test_saved_pick_counts_are_what_the_planner_reads(
     assert bad.returncode == 2 and "cannot read --pick-counts" in bad.stderr
 
 
-@pytest.mark.parametrize("misses", ["cpu", "gpu"])
-def test_q4_0_experts_in_ram_are_cached(tmp_path: Path, misses: str) -> None:
+@pytest.mark.parametrize("where", ["cpu", "gpu"])
+def test_q4_0_experts_in_ram_are_cached(tmp_path: Path, where: str) -> None:
     """Q4_0 experts (the benchmarks' type) kept in RAM are cached too: llama.cpp repacks
     such tensors for the CPU's kernels on AVX2 hosts, even mapped, and a repacked tensor is
     not the GGUF bytes the bank copies — with the cache on they stay plain. Without that the
@@ -163,11 +156,11 @@ def test_q4_0_experts_in_ram_are_cached(tmp_path: Path, misses: str) -> None:
     the misses from RAM in place (every layer, on a GPU host; none on the CPU, where the
     server says so and serves as before)."""
     path = write_qwen3moe(tmp_path / "moe-q4.gguf", shape=SHAPE, seed=5, wtype="q4_0")
-    server = _serve(path, "q4", "--expert-cache-slots", "4", "--expert-cache-misses", misses)
+    server = _serve(path, "q4", "--expert-cache-slots", "4", "--expert-cache-misses", where)
     try:
         assert _metric(server, "onegpu_expert_cache_layers") == SHAPE.n_layer
-        if misses == "gpu":
-            on = SHAPE.n_layer if on_gpu() else 0
+        if where == "gpu":
+            on = SHAPE.n_layer if on_gpu(None) else 0
             assert f"misses of {on} of {SHAPE.n_layer} layers on the GPU" in server.log()
         _answers(server)
         hits, misses, _ = _cache(server)
