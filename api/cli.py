@@ -81,8 +81,9 @@ def _parser() -> argparse.ArgumentParser:
         "--expert-sample-rate", type=float, default=DEFAULT_EXPERT_SAMPLE_RATE,
         help="share of steps whose MoE router choices are counted (0 = off, costs nothing)",
     )  # fmt: skip
-    s.add_argument("--expert-cache-uploads", type=int, default=1, metavar="N",
-                   help="experts a cached layer uploads after a step at most")  # fmt: skip
+    s.add_argument("--expert-cache-uploads", type=int, default=0, metavar="N",
+                   help="experts a cached layer uploads after a step at most (0: the "
+                   "experts one token uses; admission chooses which)")  # fmt: skip
     s.add_argument(
         "--expert-cache-misses", choices=["cpu", "gpu"], default="cpu",
         help="where cached layers compute the picks not in the bank: the CPU (a host round "

@@ -244,9 +244,10 @@ class Model:
         if cfg.expert_cache_slots <= 0 or self.n_expert == 0:
             return 0
         gpu = cfg.n_gpu_layers != 0 and bool(self.ll.llama_supports_gpu_offload())
+        uploads = moe_cache.upload_cap(cfg.expert_cache_uploads, self.n_expert_used)
         try:
             n = moe_cache.configure(
-                self.main.ctx, cfg.expert_cache_slots, max_uploads=cfg.expert_cache_uploads,
+                self.main.ctx, cfg.expert_cache_slots, max_uploads=uploads,
                 max_tokens=cfg.n_seq_max, device=None if gpu else "CPU",
             )  # fmt: skip
             if n > 0:

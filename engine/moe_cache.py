@@ -91,6 +91,15 @@ def configure(
     return n
 
 
+def upload_cap(requested: int, n_expert_used: int) -> int:
+    """The most experts a cached layer uploads after a step: `requested`, or where it is 0,
+    the experts one token routes to. Admission decides which misses are worth a copy; the
+    cap only spreads a burst of them over steps, and a cap of 1 starves a batch: at 8
+    users on the reference width's routing curve it kept 54% of picks on the GPU where a
+    cap of 6 kept 72% (LRU uncapped: 74%) for 9% more uploads."""
+    return requested if requested > 0 else max(1, n_expert_used)
+
+
 DECAY = 0.95  # a pick's weight in an expert's score falls to a half after ~14 steps
 
 

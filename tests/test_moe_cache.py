@@ -202,6 +202,30 @@ def test_the_cache_counts_every_small_batch_pick_and_uploads_what_missed(tiny: T
         tiny.ll.llama_free(ctx)
 
 
+def test_the_default_upload_cap_lets_one_step_bring_in_a_token_s_whole_pick(
+    tiny: Tiny,
+) -> None:
+    """The server's default cap (`--expert-cache-uploads 0`) is the experts one token uses:
+    after one step on an empty bank each layer holds every expert that step missed; a cap
+    of 1 would take as many steps as a token has picks."""
+    assert moe_cache.upload_cap(0, SHAPE.n_expert_used) == SHAPE.n_expert_used
+    assert moe_cache.upload_cap(2, SHAPE.n_expert_used) == 2  # asked for: kept
+    ctx = tiny.context()
+    try:
+        for requested, per_layer in ((0, SHAPE.n_expert_used), (1, 1)):
+            cap = moe_cache.upload_cap(requested, SHAPE.n_expert_used)
+            n = SHAPE.n_expert_used
+            assert moe_cache.configure(ctx, n, max_uploads=cap, max_tokens=8, device=DEVICE) > 0
+            tiny.ll.llama_memory_clear(tiny.ll.llama_get_memory(ctx), True)
+            tiny.decode(ctx, tiny.tokenize(PROMPTS[2]))  # over max_tokens: not counted
+            tiny.decode(ctx, [5])  # one token: every layer misses all of its picks
+            s = moe_cache.stats(ctx)
+            assert s.misses == SHAPE.n_layer * SHAPE.n_expert_used
+            assert s.uploads == SHAPE.n_layer * per_layer
+    finally:
+        tiny.ll.llama_free(ctx)
+
+
 def test_a_batch_over_max_tokens_takes_llama_cpp_s_usual_path(tiny: Tiny) -> None:
     ctx = tiny.context()
     try:
