@@ -240,8 +240,10 @@ for s in "${steps[@]}"; do
     cache-ab)  # issue 31: the cache vs llama-server's best --n-cpu-moe at equal VRAM
       run cache-ab python3 -m bench.expert_cache_ab --model "$MODEL" --peer-bin "$PEER_BIN" \
         --layers ${AB_LAYERS:-15 27} --routings ${AB_ROUTINGS:-skewed uniform} \
-        --admission "${AB_ADMISSION:-3}" --references --work "$W/ab" --json "$R/cache-ab.json" \
-        ${AB_MISSES_GPU:+--misses-gpu} ;;  # (issue 46: each cached row again, misses on the GPU)
+        --admission "${AB_ADMISSION:-3}" --references --users ${AB_USERS:-1 4 8} \
+        --work "$W/ab" --json "$R/cache-ab.json" \
+        ${AB_MISSES_GPU:+--misses-gpu}  # (issue 46: each cached row again, misses on the GPU)
+      cp "$R/cache-ab.json" "$R/cache-ab-json.txt" 2>/dev/null ;;
     cache-curve)  # issue 23: hit rate and output rate by cache size, skewed routing, 4 users
       run cache-curve timeout 240 python3 -m bench.routing_curve --model "$CURVE_MODEL" --slots 0,32,64 \
         --routings skewed --uploads 1 --rounds 1 --out 128

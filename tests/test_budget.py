@@ -646,9 +646,12 @@ def run_users(machine: Machine, ours: bool, spread: float = 0.0, users: int = 16
               isl: int = 128, osl: int = 64, requests: int = 4) -> Traffic:  # fmt: skip
     """`users` chat users in a closed loop (`bench.compare`'s shape): each sends a prompt,
     reads `osl` tokens (± `spread`), sends the next, `requests` times; each user's first
-    request is the warm-up (the cost model learns the machine), not counted. `ours`: the
-    default policy (the stall target, `auto`); else llama-server's — every waiting prompt
-    joins the step, each chunk the whole step budget."""
+    request is the warm-up (the cost model learns the machine), not counted. A request
+    reaches the scheduler a client's round trip (2-30 ms) after its user started or read
+    the last token, so a wave's prompts arrive spread over a few milliseconds and a step
+    may start with only the first of them, as on a real server. `ours`: the default
+    policy (the stall target, `auto`); else llama-server's — every waiting prompt joins the
+    step, each chunk the whole step budget."""
     sched = Scheduler(
         SchedulerConfig(max_num_seqs=32, kv_capacity=60000, max_num_batched_tokens=2048,
                         max_stall_s=0.25 if ours else None, min_prefill_chunk=32,
@@ -660,33 +663,39 @@ def run_users(machine: Machine, ours: bool, spread: float = 0.0, users: int = 16
     fake.n_batch = 2048
     rng = random.Random(7)
     now, sent = 0.0, {u: 0 for u in range(users)}
+    due: list[tuple[float, int]] = [(rng.uniform(0.002, 0.03), u) for u in range(users)]
     arrival: dict[str, float] = {}
     last: dict[str, float] = {}
     ttft: list[float] = []
     gaps: list[float] = []
     out_tokens = decode_tokens = 0
 
-    def send(u: int) -> None:
+    def send(u: int, at: float) -> None:
         rid = f"u{u}r{sent[u]}"
         n = max(1, round(osl * (1 + spread * rng.uniform(-1, 1))))
         sched.add(make_request(rid, [100 + 37 * u + sent[u] + i % 50 for i in range(isl)], n,
-                               arrival=now))  # fmt: skip
-        arrival[rid] = now
+                               arrival=at))  # fmt: skip
+        arrival[rid] = at
         sent[u] += 1
 
-    for u in range(users):
-        send(u)
     start = math.inf  # the first counted request's arrival
     for _ in range(100_000):
         if not sched.waiting and not sched.running:
-            break
+            if not due:
+                break
+            now = max(now, min(due)[0])  # idle: the next request's arrival
+        for at, u in sorted(d for d in due if d[0] <= now):
+            send(u, at)
+            due.remove((at, u))
+            if sent[u] == 2:
+                start = min(start, at)
         outputs, now = run_step(sched, fake, machine, now)
         for o in outputs:
             if not o.token_ids:
                 continue
-            if o.finish_reason is not None and sent[int(o.req_id[1:].split("r")[0])] < requests:
-                send(int(o.req_id[1:].split("r")[0]))
-                start = min(start, now)
+            u = int(o.req_id[1:].split("r")[0])
+            if o.finish_reason is not None and sent[u] < requests:
+                due.append((now + rng.uniform(0.002, 0.03), u))
             if o.req_id.endswith("r0"):
                 continue
             out_tokens += len(o.token_ids)
