@@ -43,9 +43,9 @@ class ChunkGrant:
             not prefilling and not others_waiting and all(len(r.output_ids) < 2 for r in decoders)
         )
         n = len(decoders)
-        ahead = sum(max(1, r.max_tokens - len(r.output_ids)) for r in decoders) / n if n else 1.0
+        left = [max(1, r.max_tokens - len(r.output_ids)) for r in decoders]
         return StepDraft(n, sum(r.num_computed for r in decoders), n > 0 or others_waiting, burst,
-                         ahead=ahead)  # fmt: skip
+                         ahead=sum(left) / n if n else 1.0, last=max(left, default=0))  # fmt: skip
 
     def running(self, draft: StepDraft, req: Request, budget: int, behind: int) -> int | None:
         """The next chunk of a prompt under way (0: none granted); None when it would not
@@ -69,7 +69,10 @@ class ChunkGrant:
         rest = req.num_uncomputed - cached
         cap = split - cached if split is not None else rest
         depth = req.num_computed + cached
-        n = self.policy.grant(draft, min(rest, budget, self.cap(req), cap), depth, rest)
+        n_max = min(rest, budget, self.cap(req), cap)
+        if n_max == rest and self.cost.waits_for_decoders(draft, rest, depth, behind):
+            return 0  # (a short prompt: a long one is the stall target's, chunk by chunk)
+        n = self.policy.grant(draft, n_max, depth, rest)
         return n if n >= 1 and self.cost.joins(draft, n, depth, behind) else 0
 
     def cap(self, req: Request) -> int:

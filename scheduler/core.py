@@ -195,8 +195,7 @@ class Scheduler:
                 break
             if self._reserve(req, n, plan):
                 plan.chunks[req.req_id] = (req, n)
-                draft.chunks.append((n, req.num_computed))
-                draft.finishing += n == req.num_uncomputed
+                draft.add(n, req.num_computed, n == req.num_uncomputed, req.max_tokens)
                 budget -= n
         return True
 
@@ -318,8 +317,7 @@ class Scheduler:
         self.running.append(req)
         plan.starts.append(SeqStart(seq, req.params, list(req.output_ids)))
         plan.chunks[req.req_id] = (req, n)
-        plan.draft.chunks.append((n, req.num_computed))
-        plan.draft.finishing += n == req.num_uncomputed
+        plan.draft.add(n, req.num_computed, n == req.num_uncomputed, req.max_tokens)
 
     def _assemble_batch(self, plan: _Plan) -> SchedulerOutput:
         """The planned chunks and the KV manager's ops as the engine's batch; the step as

@@ -33,7 +33,18 @@ class StepDraft:
     exempt: bool = False  # a burst's step: its prompts arrived with its decoders
     chunks: list[tuple[int, int]] = field(default_factory=list)  # prompt (tokens, depth)
     finishing: int = 0  # of its chunks, those that end a prompt (a first token at its end)
-    ahead: float = 1.0  # tokens its decoders still have to come, a mean (at least 1)
+    ahead: float = 1.0  # tokens its streams still have to come, a mean (at least 1)
+    last: int = 0  # steps until its decoders have all finished, at most (their max_tokens)
+
+    def add(self, n: int, depth: int, ends: bool, tokens: int) -> None:
+        """A prompt chunk of `n` tokens from `depth` joins; where it `ends` its prompt,
+        its stream's `tokens` to come count in `ahead` (a step of prompts alone has no
+        decoders to tell how long its streams will run)."""
+        self.chunks.append((n, depth))
+        if ends:
+            k = self.n_decode + self.finishing
+            self.ahead = (self.ahead * k + max(1, tokens)) / (k + 1)
+            self.finishing += 1
 
     @property
     def rows(self) -> int:
@@ -133,6 +144,27 @@ class StepCostModel:
         streams = step.n_decode + step.finishing + 1
         saved = streams * step.ahead * (alone - delay)
         return (1 + behind) * base + saved >= step.finishing * delay
+
+    def waits_for_decoders(self, step: StepDraft, rest: int, depth: int, behind: int) -> bool:
+        """Should a new prompt of `rest` tokens wait until the step's decoders have
+        finished, instead of starting beside them? By the users' whole wait: beside them,
+        each decoder waits for the prompt's work (its marginal time in their steps); held
+        back, the prompt and the `behind` prompts queued after it wait up to `last`
+        decoder steps. Closed-loop users whose waves came apart (a wave's prompts arriving
+        over a second, its later ones chunked beside its first ones' decoding) stay apart
+        for good: each new prompt then lands on every other user's stream, and 16 chat
+        users on the CPU paused 4.9x as long as llama-server's at p99 (741 ms, a 128-token
+        prompt beside 15 decoders, against its decode steps of 152). A prompt that comes a
+        few steps before the others' streams end waits for them, and the wave is whole
+        again; one that would wait for long streams joins them. (For a prompt that fits
+        one step: a long one's work is the stall target's, chunk by chunk, and the sum
+        would hold a 20K prompt back for the whole of 4 long streams.)"""
+        if not step.n_decode or step.exempt or not (self.knows_prompts and self._decode.ready):
+            return False
+        with_it = StepDraft(step.n_decode, step.decode_cells, chunks=[*step.chunks, (rest, depth)])
+        delay = self.prompt_time(with_it) - self.prompt_time(step)
+        wait = step.last * self.decode_time(step.n_decode, step.decode_cells)
+        return (1 + behind) * wait < step.n_decode * delay
 
     def trusted_rows(self) -> int:
         """The largest step with prompts the model may plan: twice the largest it learned
