@@ -124,7 +124,7 @@ def variants(
     peer_read: bool = False,
 ) -> list[Variant]:  # fmt: skip
     """The layouts of one VRAM size (module doc): `tensors` expert tensors' bytes; with
-    `peer_read`, llama-server a second time reading the model (`--no-mmap`: its weights in
+    `peer_read`, llama-server a second time reading the model (`-lm none`: its weights in
     RAM page-locked, as ours are) — its best of the two is the peer."""
     k = tensors / 3
     slots = tensors * n_expert // (3 * n_layer) - n_used
@@ -138,7 +138,7 @@ def variants(
                        ["-ot", f"{in_ram}=CPU"], resident=k)  # fmt: skip
     peers = [peer]
     if peer_read:
-        peers.append(Variant(peer.label + " --no-mmap", True, [*peer.args, "--no-mmap"],
+        peers.append(Variant(peer.label + " -lm none", True, [*peer.args, "-lm", "none"],
                              resident=k))  # fmt: skip
     return [
         *peers,
@@ -401,7 +401,7 @@ def main() -> None:
     p.add_argument("--routings", nargs="+", choices=sorted(PRESETS), default=["skewed", "uniform"])
     p.add_argument("--cpu", action="store_true", help="no GPU (a dry run of the flow)")
     p.add_argument("--peer-read", action=argparse.BooleanOptionalAction, default=True,
-                   help="also llama-server with --no-mmap (the peer: the better)")  # fmt: skip
+                   help="also llama-server with -lm none (the peer: the better)")  # fmt: skip
     p.add_argument("--misses-gpu", action="store_true",
                    help="each cached row also with --expert-cache-misses gpu")  # fmt: skip
     p.add_argument("--users", type=int, nargs="+", default=[1, 4, 8])

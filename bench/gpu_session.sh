@@ -242,7 +242,7 @@ for s in "${steps[@]}"; do
         --layers ${AB_LAYERS:-15 27} --routings ${AB_ROUTINGS:-skewed uniform} \
         --admission "${AB_ADMISSION:-3}" --references --users ${AB_USERS:-1 4 8} \
         --work "$W/ab" --json "$R/cache-ab.json" \
-        ${AB_MISSES_GPU:+--misses-gpu}  # (issue 46: each cached row again, misses on the GPU)
+        ${AB_MISSES_GPU:+--misses-gpu} ${AB_EXTRA:-}  # (issue 46: each cached row again, misses on the GPU)
       cp "$R/cache-ab.json" "$R/cache-ab-json.txt" 2>/dev/null ;;
     cache-curve)  # issue 23: hit rate and output rate by cache size, skewed routing, 4 users
       run cache-curve timeout 240 python3 -m bench.routing_curve --model "$CURVE_MODEL" --slots 0,32,64 \
@@ -271,7 +271,7 @@ for s in "${steps[@]}"; do
         --model "$W/ref7.gguf" --peer-bin "$PEER_BIN" --vram-share 0.38 \
         --routings ${REF_ROUTINGS:-measured skewed uniform} --admission 3 --osl 64 \
         --references "${REF_REFERENCES:-all}" --users ${REF_USERS:-1 4 8} \
-        --work /tmp/w/refab --json "$R/ref-ab.json" ${REF_MISSES_GPU:+--misses-gpu}
+        --work /tmp/w/refab --json "$R/ref-ab.json" ${REF_MISSES_GPU:+--misses-gpu} ${REF_EXTRA:-}
       cp "$R/ref-ab.json" "$R/ref-ab-json.txt" 2>/dev/null  # (all.txt takes .txt files)
       run ref-model python3 -m bench.hybrid_model --fit "$R/ref-ab.json" \
         --model "$W/ref7.gguf" --out "$R/ref-constants.json" --reference

@@ -54,9 +54,9 @@ from scheduler.step_cost import StepCostModel, StepDraft
 class ChunkPolicy(Protocol):
     cost: StepCostModel
 
-    def grant(self, step: StepDraft, n_max: int, depth: int, rest: int = 0) -> int:
+    def grant(self, step: StepDraft, n_max: int, depth: int, rest: int = 0, behind: int = 0) -> int:
         """Tokens (at most `n_max`) a prompt at KV depth `depth`, `rest` tokens from its
-        end, may add to `step`."""
+        end, with `behind` prompts queued after it, may add to `step`."""
         ...
 
     def bounded(self, step: StepDraft) -> bool: ...  # is this step held to a target?
@@ -74,7 +74,7 @@ class FixedBudget:
     def __init__(self, cost: StepCostModel) -> None:
         self.cost = cost
 
-    def grant(self, step: StepDraft, n_max: int, depth: int, rest: int = 0) -> int:
+    def grant(self, step: StepDraft, n_max: int, depth: int, rest: int = 0, behind: int = 0) -> int:
         return n_max
 
     def bounded(self, step: StepDraft) -> bool:
@@ -147,7 +147,7 @@ class StallTarget:
         r = self._residuals()
         return max(0.0, r[min(len(r) - 1, int((1.0 - self.QUANTILE) * len(r)))])
 
-    def grant(self, step: StepDraft, n_max: int, depth: int, rest: int = 0) -> int:
+    def grant(self, step: StepDraft, n_max: int, depth: int, rest: int = 0, behind: int = 0) -> int:
         if not self.bounded(step):
             return n_max
         floor = 0 if step.chunks else min(self.min_chunk, n_max)
@@ -166,7 +166,7 @@ class StallTarget:
             n = max(n, self._efficient(step, n, n_max, depth, max(rest, n_max)))
             self._memo = {}
             if 0 < n < rest <= n_max:
-                n = self._whole_if_cheaper(step, n, rest, depth)
+                n = self._whole_if_cheaper(step, n, rest, depth, behind)
                 self._memo = {}
         n = max(n, floor)
         if n > 0 and 0 < rest - n < self.min_chunk and rest <= n_max:
@@ -196,7 +196,9 @@ class StallTarget:
             fast = max(fast, self._knee(alone, n_max, depth, self.LEAST_EFFICIENT))
         return fast - shared
 
-    def _whole_if_cheaper(self, step: StepDraft, n: int, rest: int, depth: int) -> int:
+    def _whole_if_cheaper(
+        self, step: StepDraft, n: int, rest: int, depth: int, behind: int = 0
+    ) -> int:
         """Under auto, the rest of a prompt in this step where chunking it by `n` costs
         more time than the pause it saves. Each chunk's step pays the fixed cost of prompt
         rows (a physical batch's: on a CPU a 128-token prompt costs ~2.6 ms a token alone,
@@ -204,14 +206,18 @@ class StallTarget:
         the whole step's over the chunk's. A long prompt saves seconds of pause for a few
         batches' cost and is chunked; a chat prompt, whose whole step is a fraction of a
         second over the target, cost 4 users chunked 0.85-0.99x llama-server's decode rate
-        and 1.2-2.5x its first-token time, for pauses at most a third shorter."""
+        and 1.2-2.5x its first-token time, for pauses at most a third shorter. Weighed by
+        who pays: the time chunking adds, every stream in the step, the prompt and the
+        `behind` prompts queued after it; the shorter pause, only the streams — a wave of
+        16 chat prompts chunked one by one beside its first few decoders came apart."""
         base = self.cost.step_time(step)  # the step as drafted, without this prompt
         full, last = divmod(rest, n)  # whole chunks of n, and what is left
         part, whole = self._time(step, n, depth), self._time(step, rest, depth)
         chunked = full * (part - base) + (self._time(step, last, depth) - base if last else 0.0)
         lost = chunked + base - whole  # prompt work the chunks' steps add beyond one step's
         saved = whole - part  # the longest pause, shortened
-        return rest if lost >= saved else n
+        streams = step.n_decode + step.finishing
+        return rest if lost * (streams + 1 + behind) >= saved * max(1, streams) else n
 
     def _time(self, step: StepDraft, n: int, depth: int) -> float:
         """The step's modelled time with an n-token chunk from `depth` added."""

@@ -55,6 +55,7 @@ class ChunkGrant:
             min(req.num_uncomputed, budget, self.cap(req), self.until_split(req)),
             req.num_computed,
             req.num_uncomputed,
+            behind,
         )
         if n < 1:
             return 0
@@ -72,7 +73,7 @@ class ChunkGrant:
         n_max = min(rest, budget, self.cap(req), cap)
         if n_max == rest and self.cost.waits_for_decoders(draft, rest, depth, behind):
             return 0  # (a short prompt: a long one is the stall target's, chunk by chunk)
-        n = self.policy.grant(draft, n_max, depth, rest)
+        n = self.policy.grant(draft, n_max, depth, rest, behind)
         return n if n >= 1 and self.cost.joins(draft, n, depth, behind) else 0
 
     def cap(self, req: Request) -> int:
