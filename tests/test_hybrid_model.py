@@ -124,7 +124,7 @@ def test_the_layouts_of_a_fractional_vram_size_split_layers_by_tensor() -> None:
     assert whole[0].args == ["--n-cpu-moe", "4"]
     read = variants(6, 384, 6, 6, admission=3.0, peer_read=True)  # llama-server's best of two
     assert [v.peer for v in read] == [True, True, False, False, False]
-    assert read[1].args == ["--n-cpu-moe", "4", "--no-mmap"]
+    assert read[1].args == ["--n-cpu-moe", "4", "-lm", "none"]  # (this build: no --no-mmap)
 
 
 def test_a_measured_row_s_split_is_what_the_fit_reads() -> None:
