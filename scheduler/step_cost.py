@@ -33,6 +33,7 @@ class StepDraft:
     exempt: bool = False  # a burst's step: its prompts arrived with its decoders
     chunks: list[tuple[int, int]] = field(default_factory=list)  # prompt (tokens, depth)
     finishing: int = 0  # of its chunks, those that end a prompt (a first token at its end)
+    ending: int = 0  # of those, the prompts whose streams end with that first token
     ahead: float = 1.0  # tokens its streams still have to come, a mean (at least 1)
     last: int = 0  # steps until its decoders have all finished, at most (their max_tokens)
 
@@ -45,6 +46,7 @@ class StepDraft:
             k = self.n_decode + self.finishing
             self.ahead = (self.ahead * k + max(1, tokens)) / (k + 1)
             self.finishing += 1
+            self.ending += tokens <= 1
 
     @property
     def rows(self) -> int:
@@ -113,22 +115,19 @@ class StepCostModel:
     def joins(self, step: StepDraft, n: int, depth: int, behind: int) -> bool:
         """Should a prompt chunk join a step that already ends other prompts? By the time
         users wait. Joined, the step takes the chunk's marginal time in it (`delay`): each
-        finishing prompt's first token comes that much later. Left out, the chunk and the
-        `behind` prompts queued after it wait one more step's base time (the decoders'
-        step, or a bare step's fixed cost), and the chunk later costs its time in a step of
-        its own (`alone`) instead of `delay` — machine time that every stream, the chunk's
-        included, then waits in each token it still has to come (`ahead`). Where a
-        prompt's rows cost less batched than alone (a physical batch's fixed cost, the
-        weights read once for all its rows: on a CPU a 128-token prompt costs ~2.6 ms a
-        token alone and ~1.6 in a 2,048-row batch) the saving repeats in every later token
-        of every stream and the chunk joins, as llama-server batches every waiting prompt.
-        Where rows cost the same in any step (the work is the same either way), prompts go
-        about one a step on a few CPU cores, where each costs its tokens — the first comes
-        sooner and the mean time to first token is lower — and share steps on a GPU, where
-        a step's base time dwarfs a chunk's. Where a larger step costs more than its parts
-        (a row that opens another attention tile or physical batch), the chunk waits.
-        Spreading prompts without counting the batching lost cost 16 chat users on the CPU
-        0.70x llama-server's decode rate and stream pauses 4x as long at p99."""
+        finishing prompt's first token comes that much later. Left out, the chunk runs in
+        a later step beside those prompts' streams, which then pause as long for it — only
+        a prompt whose stream ends with its first token is spared — while the chunk and
+        the `behind` prompts queued after it wait one more step's base time (the
+        decoders' step, or a bare step's fixed cost), and the chunk costs its time in a
+        step of its own (`alone`) instead of `delay`: machine time that every stream then
+        waits in each token it still has to come (`ahead`). So a wave's prompts share one
+        step, as llama-server batches every waiting prompt, unless the larger step costs
+        more than its parts (a row that opens another attention tile or physical batch):
+        then the chunk waits. Counting a left-out prompt's time as saved for the prompts
+        in the step (their first tokens sooner) spread each wave of 16 chat users on the
+        CPU over four steps beside its own first streams, and paused them ~1 s at p99
+        against llama-server's 0.15-0.2 s."""
         if not step.finishing or not (self.knows_prompts and self._decode.ready):
             return True  # (nothing known yet of what a step costs: they share it)
         if 2 * self.smallest_rows > self.largest_rows:
@@ -143,7 +142,7 @@ class StepCostModel:
         base = self.decode_time(step.n_decode, step.decode_cells)
         streams = step.n_decode + step.finishing + 1
         saved = streams * step.ahead * (alone - delay)
-        return (1 + behind) * base + saved >= step.finishing * delay
+        return (1 + behind) * base + saved >= step.ending * delay
 
     def waits_for_decoders(self, step: StepDraft, rest: int, depth: int, behind: int) -> bool:
         """Should a new prompt of `rest` tokens wait until the step's decoders have

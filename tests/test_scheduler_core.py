@@ -536,24 +536,26 @@ def test_under_kv_pressure_steps_are_shared_only_where_batching_pays(
 
 
 @pytest.mark.parametrize(
-    ("per_step", "per_token", "together"),
-    [(2e-2, 1e-5, 4), (1e-4, 2e-3, 1)],
-    ids=["gpu-like", "compute-bound"],
+    ("per_step", "per_token", "tokens", "together"),
+    [(2e-2, 1e-5, 3, 4), (1e-4, 2e-3, 3, 4), (1e-4, 2e-3, 1, 1)],
+    ids=["gpu-like", "compute-bound", "compute-bound-one-token"],
 )
-def test_prompts_arriving_together_share_a_step_where_that_brings_first_tokens_sooner(
-    per_step: float, per_token: float, together: int
+def test_prompts_arriving_together_share_a_step_unless_their_streams_end_at_once(
+    per_step: float, per_token: float, tokens: int, together: int
 ) -> None:
     """Four 60-token prompts at once on an idle server. Where a step's fixed cost dwarfs
     a prompt's (GPU-like), one step for all four brings every first token about as soon
-    as one alone; where a prompt costs its tokens (a few CPU cores), one step for all four
-    makes each wait for the four, and one a step gives the first its token four times
-    sooner: the lower mean time to first token is what the scheduler picks."""
+    as one alone. Where a prompt costs its tokens (a few CPU cores), one a step would give
+    the first its token four times sooner — and then pause its stream for each of the
+    other three: the four share one step, as llama-server's do. Only requests that end
+    at their first token (`max_tokens` 1: nothing to pause) go one a step there, for the
+    lower mean time to first token."""
     fake = FakeEngine(seconds_per_step=per_step, seconds_per_token=per_token)
     d = Driver(cfg(max_num_seqs=8, kv_capacity=4000, max_num_batched_tokens=512), fake)
     for i, n in enumerate([20, 70, 40, 110, 30, 90]):  # the cost model learns this machine
         d.add(make_request(f"w{i}", prompt(n, i), 3))
         d.run()
-    reqs = [d.add(make_request(f"r{i}", prompt(60, 10 + i), 3)) for i in range(4)]
+    reqs = [d.add(make_request(f"r{i}", prompt(60, 10 + i), tokens)) for i in range(4)]
     clock, first = 0.0, {}
     while len(first) < len(reqs):
         s = d.step()
