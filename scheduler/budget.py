@@ -153,15 +153,15 @@ class StallTarget:
         floor = 0 if step.chunks else min(self.min_chunk, n_max)
         if not self.cost.knows_prompts or n_max < 1:
             return floor
-        self._memo = {}  # _time's, for this grant
-        n = self._least_risk(step, n_max, depth)
-        if self.auto and step.finishing and n < rest <= n_max:
+        if self.auto and step.finishing and 0 < rest <= n_max:
             # the step already ends a prompt: its decoders pause for that prompt's step
             # anyway, and a short prompt beside it adds only its rows, where a step of its
             # own would pause them again, whole; it joins whole or waits, by the users'
             # whole cost (StepCostModel.joins). One prompt a step kept a split wave of 16
             # chat users apart for good: 0.84x llama-server's decode rate, 3.4x its pauses.
             return rest
+        self._memo = {}  # _time's, for this grant
+        n = self._least_risk(step, n_max, depth)
         if self.auto:
             n = max(n, self._efficient(step, n, n_max, depth, max(rest, n_max)))
             self._memo = {}

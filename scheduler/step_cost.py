@@ -108,6 +108,11 @@ class StepCostModel:
     def step_time(self, step: StepDraft) -> float:
         return self.decode_time(step.n_decode, step.decode_cells) + self.prompt_time(step)
 
+    def delay(self, step: StepDraft, n: int, depth: int) -> float:
+        """What an n-token chunk from `depth` adds to `step`: everyone in it waits that."""
+        with_it = StepDraft(step.n_decode, step.decode_cells, chunks=[*step.chunks, (n, depth)])
+        return self.prompt_time(with_it) - self.prompt_time(step)
+
     def chunk_time(self, n: int, depth: int) -> float:
         """A chunk's time alone in a step (to weigh recomputing a prompt)."""
         return self.prompt_time(StepDraft(chunks=[(n, depth)]))
@@ -136,8 +141,7 @@ class StepCostModel:
             # in one step, then another, taught a 2-core CPU no batching economy and it
             # spread the next wave one prompt a step, at 0.9x the decode rate)
             return True
-        with_it = StepDraft(step.n_decode, step.decode_cells, chunks=[*step.chunks, (n, depth)])
-        delay = self.prompt_time(with_it) - self.prompt_time(step)
+        delay = self.delay(step, n, depth)
         alone = self.prompt_time(StepDraft(step.n_decode, step.decode_cells, chunks=[(n, depth)]))
         base = self.decode_time(step.n_decode, step.decode_cells)
         streams = step.n_decode + step.finishing + 1
@@ -160,10 +164,8 @@ class StepCostModel:
         would hold a 20K prompt back for the whole of 4 long streams.)"""
         if not step.n_decode or step.exempt or not (self.knows_prompts and self._decode.ready):
             return False
-        with_it = StepDraft(step.n_decode, step.decode_cells, chunks=[*step.chunks, (rest, depth)])
-        delay = self.prompt_time(with_it) - self.prompt_time(step)
         wait = step.last * self.decode_time(step.n_decode, step.decode_cells)
-        return (1 + behind) * wait < step.n_decode * delay
+        return (1 + behind) * wait < step.n_decode * self.delay(step, rest, depth)
 
     def trusted_rows(self) -> int:
         """The largest step with prompts the model may plan: twice the largest it learned
