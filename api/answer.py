@@ -5,6 +5,7 @@ api.output_blocks."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from api.generic_tools import GENERIC, EnvelopeStream
@@ -26,8 +27,11 @@ class AnswerSplit:
     ) -> None:
         """`reasoning_tail`: the prompt's end, when reasoning is split off; `tool_format`:
         parse tool calls in that format out of the answer; `one_call`: keep the first call
-        only (`parallel_tool_calls: false`)."""
+        only (`parallel_tool_calls: false`). `ended`: the answer is over before its text
+        is (see `_keep`): the generation is stopped there."""
         self._one_call = one_call
+        self._seen: set[tuple[str, str]] = set()
+        self.ended = False
         self._reasoning = ReasoningSplit(reasoning_tail) if reasoning_tail is not None else None
         self._tools: ToolStream | EnvelopeStream | None = None
         if tool_format == GENERIC:
@@ -57,6 +61,8 @@ class AnswerSplit:
 
     def _answer(self, thought: str, answer: str) -> Parts:
         out = Parts(thought)
+        if self.ended:
+            return out
         if self._tools is None:
             out.content = answer
         else:
@@ -68,9 +74,28 @@ class AnswerSplit:
         return out
 
     def _keep(self, calls: list[Call]) -> list[Call]:
-        if self._one_call:
-            return calls[: max(0, 1 - len(self.all.calls))]
-        return calls
+        """The calls that go out. A call that repeats one of this answer's (same function,
+        same arguments) ends the answer with the calls before it: a small model forced to
+        call (`required`, Anthropic's `any`) otherwise writes the same call again until
+        max_tokens, where the client wanted one round of calls. With
+        `parallel_tool_calls: false`, the first call ends it."""
+        out = []
+        for call in calls:
+            key = (call.name, _canonical(call.arguments))
+            if key in self._seen or (self._one_call and self._seen):
+                self.ended = True
+                break
+            self._seen.add(key)
+            out.append(call)
+        return out
+
+
+def _canonical(arguments: str) -> str:
+    """Arguments as one text whatever their spacing and key order."""
+    try:
+        return json.dumps(json.loads(arguments), sort_keys=True, separators=(",", ":"))
+    except ValueError:
+        return arguments
 
 
 class BlockNumbers:

@@ -6,7 +6,8 @@ A message's blocks become turns: a user's text, and each `tool_result` a tool tu
 own (named after the call it answers, an `is_error` one saying so in its text, since
 templates have no field for it); an assistant's text and `tool_use` calls. Consecutive
 turns of one role are one turn, as Anthropic reads them (a user message of tool results
-and text is a tool turn per result, then a user turn). Earlier thinking is accepted and
+and text is a tool turn per result, then a user turn); a `system` message (Claude Code
+sends one to a model it does not know) stays where it stands. Earlier thinking is accepted and
 dropped: the template renders none of it. A conversation that ends with an assistant
 message is continued from that text (Anthropic's prefill). Images and documents are
 refused by name: the model reads text only. `thinking` switches the template's own
@@ -77,10 +78,14 @@ def chat_of(state: ServerState, body: MessagesInput) -> Chat:
         )
         if m.role == "user":
             turns.user(blocks, f"messages[{i}]")
+        elif m.role == "system":
+            turns.system(blocks, f"messages[{i}]")
         else:
             turns.assistant(blocks, f"messages[{i}]")
     if not turns.messages:
         raise InvalidRequest("the messages have no content", param="messages")
+    if all(m.role == "system" for m in turns.messages):
+        raise InvalidRequest("the messages have no user turn", param="messages")
     last, where = turns.messages[-1], f"messages[{len(body.messages) - 1}]"
     prefill = last.role == "assistant"
     if prefill and last.calls:
@@ -139,6 +144,17 @@ class _Turns:
                 raise _misplaced(b, at, "an assistant's")
         if texts:
             self._add(Message("user", SEP.join(texts)))
+
+    def system(self, blocks: list[InputBlock], where: str) -> None:
+        """A system message where it stands (api.rendering places it where the template
+        renders one)."""
+        texts: list[str] = []
+        for j, b in enumerate(blocks):
+            if not isinstance(b, TextBlock):
+                raise _misplaced(b, f"{where}.content[{j}]", "a user's or an assistant's")
+            texts.append(b.text)
+        if texts:
+            self._add(Message("system", SEP.join(texts)))
 
     def assistant(self, blocks: list[InputBlock], where: str) -> None:
         texts: list[str] = []

@@ -91,7 +91,10 @@ InputBlock = (
 
 
 class InputMessage(Struct, kw_only=True):
-    role: Literal["user", "assistant"]
+    """A turn. `system` is not Anthropic's (its system prompt has a field of its own),
+    but Claude Code sends one mid-conversation to a model it does not know as Claude's."""
+
+    role: Literal["user", "assistant", "system"]
     content: str | list[InputBlock]
 
 
@@ -181,6 +184,9 @@ class MessagesRequest(MessagesInput, kw_only=True):
     metadata: Any = None
     service_tier: Any = None
     cache_control: Any = None
+    # Claude Code's edits (`clear_thinking_…`): earlier thinking is never rendered, so
+    # clearing it is what happens anyway; other edits are accepted and not applied
+    context_management: Any = None
 
 
 class CountTokensRequest(MessagesInput, kw_only=True):

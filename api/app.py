@@ -38,6 +38,7 @@ from api.metrics import CONTENT_TYPE, Metrics
 from api.openai_routes import chat_completions, completions, list_models, responses
 from api.openapi import openapi_json
 from api.reasoning import template_reasons
+from api.rendering import renders_system_between
 from api.state import ServerSettings, ServerState, server_state
 from api.tokenize_routes import detokenize, tokenize
 from api.tool_calls import detect as detect_tool_format
@@ -204,6 +205,7 @@ def _state(
             lambda tools: template.bind(tools=tools).render([{"role": "user", "content": "Hi"}])
         ),
         system_role=renders_system(template.render),
+        system_between=renders_system_between(template.render),
         sampling_defaults=sampling,
     )
 

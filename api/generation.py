@@ -44,6 +44,7 @@ class Generation:
         self.reasoning_tail = tail
         self.tool_format = state.tool_format if tools.parse else None
         self._one_call = not req.tools.parallel
+        self._over: set[int] = set()  # choices ended here, before their sequence did
 
     @property
     def splits_reasoning(self) -> bool:
@@ -60,6 +61,7 @@ class Generation:
         numbers = [BlockNumbers() for _ in self._queues]
         async for i, o in self._outputs():
             parts, reason = splits[i].feed(o.text), o.finish_reason
+            reason = self._ended(i, splits[i], reason)
             if reason is not None:
                 more, reason = splits[i].finish(reason)
                 parts.reasoning += more.reasoning
@@ -73,18 +75,30 @@ class Generation:
     async def answers(self) -> list[ChoiceAnswer]:
         """Every choice's whole answer, once all have finished."""
         got = [_Collected() for _ in self._queues]
+        splits = [self._split() for _ in self._queues]
         async for i, o in self._outputs():
             got[i].add(o)
+            splits[i].feed(o.text)
+            if (reason := self._ended(i, splits[i], o.finish_reason)) is not None:
+                got[i].finish_reason = reason
         out = []
         for i, c in enumerate(got):
-            whole = self._split()
-            whole.feed("".join(c.text))
-            _, reason = whole.finish(c.finish_reason)
-            blocks = BlockNumbers().blocks(whole.all)
+            _, reason = splits[i].finish(c.finish_reason)
+            blocks = BlockNumbers().blocks(splits[i].all)
             out.append(ChoiceAnswer(i, blocks, c.logprobs, c.prompt_logprobs, reason,
                                     c.num_output_tokens, c.num_cached_tokens,
                                     c.stop_string))  # fmt: skip
         return out
+
+    def _ended(self, i: int, split: AnswerSplit, reason: str | None) -> str | None:
+        """The choice's finish reason: its output's, or `stop` where its answer is over
+        before its text is (`AnswerSplit.ended`): its sequence is stopped now and its
+        stream read no further."""
+        if reason is None and split.ended and i not in self._over:
+            self._over.add(i)
+            self.state.loop.end(self._req_ids[i])
+            return "stop"
+        return reason
 
     def _split(self) -> AnswerSplit:
         return AnswerSplit(self.reasoning_tail, self.tool_format, one_call=self._one_call)
@@ -96,7 +110,7 @@ class Generation:
             while True:
                 o = await q.get()
                 yield 0, o
-                if o.finish_reason is not None:
+                if o.finish_reason is not None or self._over:
                     return
         pending = {asyncio.ensure_future(q.get()): i for i, q in enumerate(self._queues)}
         try:
@@ -106,7 +120,7 @@ class Generation:
                     i = pending.pop(fut)
                     o = fut.result()
                     yield i, o
-                    if o.finish_reason is None:
+                    if o.finish_reason is None and i not in self._over:
                         pending[asyncio.ensure_future(self._queues[i].get())] = i
         finally:
             for fut in pending:

@@ -23,6 +23,7 @@ from api.generation_request import Chat, GenerationRequest, Sampling, Tools
 from api.openai_wire import check_model
 from api.output_blocks import ChoiceAnswer, reasoning_of
 from api.responses_input import (
+    ToolsOffered,
     api_param,
     choice_of,
     functions_of,
@@ -66,6 +67,7 @@ class ResponsesCodec:
         self.stream = body.stream
         self.created = int(time.time())
         self._origin: list[int | None] = []  # each message's input item (api_names)
+        self._offered = ToolsOffered()  # the tools as the model sees them (decode)
 
     @contextmanager
     def api_names(self) -> Iterator[None]:
@@ -82,13 +84,14 @@ class ResponsesCodec:
         check_model(state, req.model)
         refuse_unserved(req)
         messages, self._origin = messages_of(req, state.settings.limits.max_messages)
+        self._offered = functions_of(req.tools)
         return GenerationRequest(
             id=item_id("resp"),
             input=Chat(messages, instructions=req.instructions),
             sampling=_sampling(req),
             max_tokens=req.max_output_tokens,
             tools=Tools(
-                functions_of(req.tools), choice_of(req.tool_choice), req.parallel_tool_calls
+                self._offered.functions, choice_of(req.tool_choice), req.parallel_tool_calls
             ),
             response_format=response_format_of(req.text),
             lane=req.strata_reproducible,
@@ -98,12 +101,12 @@ class ResponsesCodec:
     def body(self, gen: Generation, answers: list[ChoiceAnswer]) -> Response:
         (a,) = answers
         cut = a.finish_reason == LENGTH
-        output = whole(a.blocks, cut)
+        output = whole(a.blocks, cut, self._offered.namespaced)
         use = self._usage(gen, a.output_tokens, a.cached_tokens, reasoning_of(a.blocks))
         return self._response(gen, "incomplete" if cut else "completed", output, use)
 
     async def frames(self, gen: Generation) -> AsyncIterator[bytes]:
-        items = ItemStream(first_sequence=2)
+        items = ItemStream(2, self._offered.namespaced)
         yield sse(Created(sequence_number=0, response=self._response(gen, "in_progress")))
         yield sse(InProgress(sequence_number=1, response=self._response(gen, "in_progress")))
         async for d in gen.events():
@@ -138,7 +141,7 @@ class ResponsesCodec:
         req = self.req
         tools = [EchoTool(name=t.name or "", description=t.description,
                           parameters=t.parameters, strict=t.strict)
-                 for t in req.tools or []]  # fmt: skip
+                 for t in req.tools or [] if t.type == "function"]  # fmt: skip
         return Response(
             id=gen.request.id,
             created_at=self.created,

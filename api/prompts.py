@@ -42,7 +42,9 @@ async def tokenize(
 ) -> list[Prompt]:
     """The request's prompts as token ids, each refused (400) unless it could fit `limit`."""
     if isinstance(req.input, Chat):
-        messages, template = render(state.template, req.input, tools)
+        messages, template = render(
+            state.template, req.input, tools, state.system_role, state.system_between
+        )
         return [await _chat_prompt(state, messages, limit, template)]
     return await _completion_prompts(state, req.input.prompt, limit)
 

@@ -10,13 +10,19 @@ place (`messages[3]`) reaches the client by the item's (`input[5]`), in this API
 What the API asks and the server does not serve is a 400 naming it, before any work:
 state kept between requests (`previous_response_id`, `conversation`, stored prompts,
 item references — the server keeps none, so any replica behind a router can answer),
-built-in tools, images, files and audio.
+images, files and audio. A built-in tool (`web_search` …) is left out of the prompt,
+with a warning in the log: Codex offers one with every request, and the model can do
+without it (a `tool_choice` naming one is still a 400). A `namespace` group's function
+tools are offered under the flat name Codex itself shows (`group__tool`) and come back
+as calls with `namespace` and `name` apart, as Codex dispatches them.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
+from dataclasses import dataclass, field
 from typing import Any
 
 from api.errors import InvalidRequest
@@ -24,6 +30,8 @@ from api.generation_request import EarlierCall, Message
 from api.openai_wire import refuse
 from api.responses_wire import FunctionTool, InputItem, InputPart, ResponsesRequest, TextConfig
 from api.validation import asks_nothing
+
+log = logging.getLogger(__name__)
 
 # role -> the role the chat template sees
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -127,6 +135,8 @@ def _earlier_call(item: InputItem, where: str) -> EarlierCall:
     if call_id is None or name is None or text is None:
         missing = "call_id" if call_id is None else "name" if name is None else "arguments"
         raise InvalidRequest(f"a function_call needs {missing}", param=f"{where}.{missing}")
+    if item.namespace:
+        name = flat_name(item.namespace, name)
     try:
         args = json.loads(text)
     except ValueError:
@@ -137,23 +147,61 @@ def _earlier_call(item: InputItem, where: str) -> EarlierCall:
 
 
 # ---- tools and format ---------------------------------------------------------------
-def functions_of(tools: list[FunctionTool] | None) -> list[dict[str, Any]] | None:
-    """The function tools in chat's nested form (the template's); a built-in tool is a
-    400 naming it."""
-    if not tools:
-        return None
-    out = []
-    for i, t in enumerate(tools):
-        if t.type != "function":
-            raise refuse(f"tools[{i}].type", f"built-in tool {t.type!r}: function tools only")
-        if t.name is None:
-            raise InvalidRequest("a function tool needs a name", param=f"tools[{i}].name")
-        f: dict[str, Any] = {"name": t.name}
-        for key in ("description", "parameters", "strict"):
-            if (value := getattr(t, key)) is not None:
-                f[key] = value
-        out.append({"type": "function", "function": f})
+NAMESPACE_SEP = "__"  # a namespaced tool's flat name: `group__tool`, as Codex shows it
+
+
+def flat_name(namespace: str, name: str) -> str:
+    return f"{namespace}{NAMESPACE_SEP}{name}"
+
+
+@dataclass
+class ToolsOffered:
+    """The function tools in chat's nested form (the template's), and for each offered
+    under a namespace's flat name, its (namespace, name)."""
+
+    functions: list[dict[str, Any]] | None = None
+    namespaced: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+
+def functions_of(tools: list[FunctionTool] | None) -> ToolsOffered:
+    """The tools offered to the model: function tools, and a namespace group's under their
+    flat names; a built-in tool is left out (logged)."""
+    out = ToolsOffered()
+    functions: list[dict[str, Any]] = []
+    for i, t in enumerate(tools or []):
+        if t.type == "namespace":
+            if not t.name:
+                raise InvalidRequest("a namespace needs a name", param=f"tools[{i}].name")
+            for j, inner in enumerate(t.tools or []):
+                at = f"tools[{i}].tools[{j}]"
+                if inner.type != "function":
+                    _left_out(inner.type, at)
+                    continue
+                f = _function(inner, at)
+                flat = flat_name(t.name, f["function"]["name"])
+                out.namespaced[flat] = (t.name, f["function"]["name"])
+                f["function"]["name"] = flat
+                functions.append(f)
+        elif t.type == "function":
+            functions.append(_function(t, f"tools[{i}]"))
+        else:
+            _left_out(t.type, f"tools[{i}]")
+    out.functions = functions or None
     return out
+
+
+def _function(t: FunctionTool, at: str) -> dict[str, Any]:
+    if t.name is None:
+        raise InvalidRequest("a function tool needs a name", param=f"{at}.name")
+    f: dict[str, Any] = {"name": t.name}
+    for key in ("description", "parameters", "strict"):
+        if (value := getattr(t, key)) is not None:
+            f[key] = value
+    return {"type": "function", "function": f}
+
+
+def _left_out(kind: str, at: str) -> None:
+    log.warning("%s: built-in tool %r is not served here; left out of the prompt", at, kind)
 
 
 def choice_of(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
@@ -161,7 +209,10 @@ def choice_of(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | Non
     if choice is None or isinstance(choice, str):
         return choice
     if choice.get("type") == "function" and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": choice["name"]}}
+        name = choice["name"]
+        if isinstance(choice.get("namespace"), str):  # one of a namespace's tools
+            name = flat_name(choice["namespace"], name)
+        return {"type": "function", "function": {"name": name}}
     kind = choice.get("type")
     raise refuse("tool_choice", f"tool_choice {kind!r}: 'none', 'auto', 'required' or "
                  '{"type": "function", "name": …}')  # fmt: skip

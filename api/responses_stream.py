@@ -13,7 +13,7 @@ Streamed and whole, the same answer gives the same items.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from api.output_blocks import Block, Reasoning, Text, ToolUse
@@ -52,13 +52,20 @@ def reasoning(text: str, status: Status = "completed", id: str | None = None) ->
                          content=[ReasoningText(text=text)])  # fmt: skip
 
 
-def function_call(block: ToolUse, status: Status = "completed") -> FunctionCallItem:
+def function_call(
+    block: ToolUse, namespaced: Mapping[str, tuple[str, str]], status: Status = "completed"
+) -> FunctionCallItem:
+    """A call's item; one of a namespace's tools with `namespace` and `name` apart (the
+    model called it by its flat name, api.responses_input)."""
     c = block.call
-    return FunctionCallItem(id=item_id("fc"), call_id=c.id, name=c.name, arguments=c.arguments,
-                            status=status)  # fmt: skip
+    namespace, name = namespaced.get(c.name, (None, c.name))
+    return FunctionCallItem(id=item_id("fc"), call_id=c.id, name=name, arguments=c.arguments,
+                            status=status, namespace=namespace)  # fmt: skip
 
 
-def whole(blocks: list[Block], cut: bool) -> list[OutputItem]:
+def whole(
+    blocks: list[Block], cut: bool, namespaced: Mapping[str, tuple[str, str]]
+) -> list[OutputItem]:
     """A whole answer's items; `cut`: it ended at its token limit (its last item is
     incomplete)."""
     items: list[OutputItem] = []
@@ -68,7 +75,7 @@ def whole(blocks: list[Block], cut: bool) -> list[OutputItem]:
         elif isinstance(b, Reasoning):
             items.append(reasoning(b.text))
         else:
-            items.append(function_call(b))
+            items.append(function_call(b, namespaced))
     if not any(isinstance(i, MessageItem | FunctionCallItem) for i in items):
         items.append(message(""))
     if cut and isinstance(items[-1], MessageItem | ReasoningItem):
@@ -90,8 +97,9 @@ class _Open:
 class ItemStream:
     """One choice's output items as stream events, numbered from `first_sequence`."""
 
-    def __init__(self, first_sequence: int) -> None:
+    def __init__(self, first_sequence: int, namespaced: Mapping[str, tuple[str, str]]) -> None:
         self._seq = first_sequence
+        self._namespaced = namespaced
         self._open: _Open | None = None
         self.items: list[OutputItem] = []
         self.reasoning_text = ""  # all of it, for the usage's reasoning tokens
@@ -170,11 +178,12 @@ class ItemStream:
         yield ItemDone(sequence_number=self.next(), output_index=o.output_index, item=item)
 
     def _call(self, b: ToolUse) -> Iterator[StreamEvent]:
-        done = function_call(b)
+        done = function_call(b, self._namespaced)
         at = len(self.items)
         self.items.append(done)
         started = FunctionCallItem(id=done.id, call_id=done.call_id, name=done.name,
-                                   arguments="", status="in_progress")  # fmt: skip
+                                   arguments="", status="in_progress",
+                                   namespace=done.namespace)  # fmt: skip
         yield ItemAdded(sequence_number=self.next(), output_index=at, item=started)
         yield ArgumentsDelta(sequence_number=self.next(), item_id=done.id, output_index=at,
                              delta=done.arguments)  # fmt: skip

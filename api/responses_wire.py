@@ -40,19 +40,22 @@ class InputItem(Struct, kw_only=True):
     content: str | list[InputPart] | None = None
     call_id: str | None = None
     name: str | None = None
+    namespace: str | None = None  # a call of a tool in a `namespace` group
     arguments: str | None = None
     output: str | list[InputPart] | None = None
 
 
 class FunctionTool(Struct, kw_only=True):
     """A tool as the Responses API writes it: flat (chat's is nested under `function`).
-    Only `function` tools are served; a built-in tool's type is refused by name."""
+    `function` tools are served, and a `namespace` group's (`tools`, Codex puts its MCP
+    servers' and its agent tools there); a built-in tool (`web_search` …) is left out."""
 
     type: str
     name: str | None = None
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+    tools: list[FunctionTool] | None = None  # a namespace's
 
 
 class TextFormat(Struct, kw_only=True, omit_defaults=True):
@@ -148,12 +151,14 @@ class MessageItem(Struct, kw_only=True, tag="message", tag_field="type"):
     role: Literal["assistant"] = "assistant"
 
 
-class FunctionCallItem(Struct, kw_only=True, tag="function_call", tag_field="type"):
+class FunctionCallItem(Struct, kw_only=True, tag="function_call", tag_field="type",
+                       omit_defaults=True):  # fmt: skip
     id: str
     call_id: str
     name: str
     arguments: str  # JSON text
     status: Status
+    namespace: str | None = None  # the group of the tool called, where it has one
 
 
 class ReasoningItem(Struct, kw_only=True, tag="reasoning", tag_field="type"):

@@ -78,6 +78,7 @@ class ServerState:
     tool_format: str | None = None  # the model's tool-call format (api.tool_calls), if served
     renders_tools: bool = True  # the template writes `tools` (else the server adds them)
     system_role: bool = True  # the template renders a system message (api.generic_tools)
+    system_between: bool = True  # ... and one after the first turn (api.rendering)
     # what a request's unset sampling fields become (engine.sampling_defaults)
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 

@@ -166,6 +166,17 @@ class EngineLoop:
                 self._text.drop(req_id)
                 self._work.notify()
 
+    def end(self, req_id: str) -> None:
+        """Stop a request whose answer is over before its text is (api.answer: a repeated
+        tool call): it ends as stopped at the next step, its KV kept for the prefix cache
+        as any finished request's; nothing more reaches its stream."""
+        sched = self._lane_of.pop(req_id, None)
+        if self._streams.pop(req_id, None) is not None and sched is not None:
+            with self._work:
+                sched.stop(req_id, self._clock())
+                self._text.drop(req_id)
+                self._work.notify()
+
     @property
     def is_running(self) -> bool:
         return self._task is not None and not self._task.done()

@@ -256,6 +256,41 @@ def test_system_and_turns_render_into_the_prompt(server: Server) -> None:
     assert split == joined
 
 
+def test_what_claude_code_sends_to_a_model_it_does_not_know_is_answered(server: Server) -> None:
+    """Claude Code, given a model name it does not know as Claude's, puts its environment
+    description in a `system` message inside `messages` and asks for adaptive thinking,
+    context-management edits, an effort and metadata: every part is taken, and the
+    system message is read where it stands (its tokens are in the prompt)."""
+    env = "Working directory: /home/user/project. Platform: linux. Today is Monday."
+    turns: Any = [ASK[0], {"role": "system", "content": [{"type": "text", "text": env}]},
+                  {"role": "user", "content": "Keep it under fifty words."}]  # fmt: skip
+    body: Any = {
+        "model": MODEL, "max_tokens": 16, "messages": turns, "temperature": 0,
+        "system": [{"type": "text", "text": "You are an agent.",
+                    "cache_control": {"type": "ephemeral"}}],
+        "thinking": {"type": "adaptive"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015",
+                                          "keep": "all"}]},
+        "output_config": {"effort": "high"}, "metadata": {"user_id": "user_abc_session_1"},
+        "tools": [], "stream": False,
+    }  # fmt: skip
+    r = post(server, "/v1/messages?beta=true", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["content"] and r.json()["stop_reason"] in ("end_turn", "max_tokens")
+    without = [turns[0], turns[2]]
+    count = post(server, "/v1/messages/count_tokens?beta=true", {"model": MODEL, "messages": turns})
+    bare = post(server, "/v1/messages/count_tokens", {"model": MODEL, "messages": without})
+    assert count.status_code == bare.status_code == 200, count.text
+    assert count.json()["input_tokens"] > bare.json()["input_tokens"] + 10
+    # a system message's blocks are text: anything else is named
+    image: Any = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                              "data": "iVBORw0KGgo="}}  # fmt: skip
+    bad = post(server, "/v1/messages", {**body, "messages": [
+        ASK[0], {"role": "system", "content": [image]}]})  # fmt: skip
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+    assert "messages[1].content[0]" in bad.json()["error"]["message"]
+
+
 def test_a_format_holds_the_answer_to_its_schema(server: Server) -> None:
     schema = {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0,
               "maximum": 99}}, "required": ["age"], "additionalProperties": False}  # fmt: skip
@@ -284,8 +319,10 @@ def test_malformed_bodies_get_anthropic_400s(server: Server) -> None:
             text, {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                                "data": "iVBORw0KGgo="}}]}]},
          "messages[0].content[1]: image blocks are not served"),
-        ({"max_tokens": 4, "messages": [{"role": "system", "content": "hi"}]},
+        ({"max_tokens": 4, "messages": [{"role": "tool", "content": "hi"}]},
          "messages[0].role"),
+        ({"max_tokens": 4, "messages": [{"role": "system", "content": "hi"}]},
+         "no user turn"),
         ({"max_tokens": 4, "messages": [user], "temperature": 1.5}, "temperature"),
         ({"max_tokens": 4, "messages": [user], "stop_sequences": [""]}, "stop_sequences[0]"),
         ({"max_tokens": 4, "messages": [user], "tools": [

@@ -217,3 +217,21 @@ def test_parallel_tool_calls_false_keeps_one_call_and_finishes_as_calls() -> Non
     parts, reason = split.finish("stop")
     assert [c.name for c in split.all.calls] == ["get_weather"] and reason == "tool_calls"
     assert parts.content == ""
+
+
+def test_a_repeated_call_ends_the_answer_with_the_calls_before_it() -> None:
+    """A small model forced to call writes the same call again and again until max_tokens:
+    the repeat (same function, same arguments, whatever their spacing or key order) ends
+    the answer — the calls before it go out, the generation is told to stop."""
+    first = '{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'
+    other = '{"name": "get_weather", "arguments": {"city": "Rome"}}'
+    again = '{"name": "get_weather", "arguments": {"days": 3,  "city": "Paris"}}'
+    split = AnswerSplit(None, GENERIC)
+    got = split.feed('{"tool_calls": [' + first + ", " + other + ", ")
+    assert [json.loads(c.arguments)["city"] for c in got.calls] == ["Paris", "Rome"]
+    assert not split.ended
+    late = split.feed(again + ", " + other)
+    assert late.calls == [] and split.ended
+    assert split.feed("]}").calls == []  # (nothing after the end counts)
+    _, reason = split.finish("stop")
+    assert len(split.all.calls) == 2 and reason == "tool_calls"

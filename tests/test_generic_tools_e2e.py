@@ -229,3 +229,78 @@ def test_a_forced_call_through_the_responses_api_has_valid_arguments(
     assert len(calls) == 1 and calls[0].call_id
     jsonschema.validate(json.loads(calls[0].arguments), SCHEMAS[calls[0].name])
     assert calls[0].name == "get_weather" or choice == "required"
+
+
+# ---- forced calls end; a plain answer streams ------------------------------------------
+TRIES = 10
+
+
+def test_a_forced_call_ends_with_calls_not_max_tokens_on_every_route(server: Server) -> None:
+    """`required` / `any` with parallel calls allowed: the embedded model writes the same
+    call again and again, and without an end it would fill max_tokens — the repeat ends
+    the answer with the calls so far, in at least 9 of 10 sampled tries on each route."""
+    ended = {"chat": 0, "responses": 0, "messages": 0}
+    sampled: Any = {"temperature": 1.0, "max_tokens": 400}
+    with _client(server) as c, Anthropic(base_url=server.url, api_key="none", max_retries=0,
+                                         _strict_response_validation=True) as a:  # fmt: skip
+        for seed in range(TRIES):
+            chat = c.chat.completions.create(
+                model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", seed=seed,
+                **sampled,
+            )  # fmt: skip
+            _valid(chat.choices[0].message.tool_calls or [])
+            ended["chat"] += chat.choices[0].finish_reason == "tool_calls"
+            resp = c.responses.create(
+                model=MODEL, input=ASK[0]["content"], tools=RESPONSES_TOOLS,
+                tool_choice="required", max_output_tokens=400, temperature=1.0,
+                extra_body={"seed": seed},
+            )  # fmt: skip
+            calls = [item for item in resp.output if item.type == "function_call"]
+            ended["responses"] += resp.status == "completed" and bool(calls)
+            msg = a.messages.create(
+                model=MODEL, max_tokens=400, messages=ASK, tools=ANTHROPIC_TOOLS,
+                tool_choice={"type": "any"}, extra_body={"temperature": 1.0, "seed": seed},
+            )  # fmt: skip
+            ended["messages"] += msg.stop_reason == "tool_use"
+    assert all(n >= TRIES - 1 for n in ended.values()), ended
+
+
+def test_a_plain_answer_with_tools_offered_streams_in_pieces_on_every_route(
+    server: Server,
+) -> None:
+    """`auto` and the model answers in text: under the generic format that text is inside
+    the envelope's `response` string, and still streams as it is written — more than one
+    text delta on every route (the first sampled answer of a few words on each), none of
+    them the envelope's JSON."""
+    say: Any = [{"role": "user", "content": "Say hello and tell me a short story."}]
+    with _client(server) as c, Anthropic(base_url=server.url, api_key="none", max_retries=0,
+                                         _strict_response_validation=True) as a:  # fmt: skip
+
+        def chat(seed: int) -> list[str]:
+            return [x.delta.content for ch in c.chat.completions.create(
+                model=MODEL, messages=say, tools=TOOLS, max_tokens=60, temperature=1.0,
+                seed=seed, stream=True,
+            ) for x in ch.choices if x.delta.content]  # fmt: skip
+
+        def responses(seed: int) -> list[str]:
+            return [ev.delta for ev in c.responses.create(
+                model=MODEL, input=say[0]["content"], tools=RESPONSES_TOOLS,
+                max_output_tokens=60, temperature=1.0, extra_body={"seed": seed}, stream=True,
+            ) if ev.type == "response.output_text.delta"]  # fmt: skip
+
+        def messages(seed: int) -> list[str]:
+            with a.messages.stream(
+                model=MODEL, max_tokens=60, messages=say, tools=ANTHROPIC_TOOLS,
+                extra_body={"temperature": 1.0, "seed": seed},
+            ) as s:  # fmt: skip
+                return [t for t in s.text_stream if t]
+
+        pieces: dict[str, list[str]] = {}
+        for name, route in (("chat", chat), ("responses", responses), ("messages", messages)):
+            for seed in range(TRIES):  # the first answer of a few words (a call has no text)
+                if len("".join(got := route(seed)).split()) > 1:
+                    pieces[name] = got
+                    break
+    assert set(pieces) == {"chat", "responses", "messages"}, pieces
+    assert all(len(v) > 1 for v in pieces.values()), pieces
+    assert not any("".join(v).lstrip().startswith("{") for v in pieces.values()), pieces

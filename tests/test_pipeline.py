@@ -42,6 +42,7 @@ def state() -> Iterator[Any]:
     yield SimpleNamespace(
         model=model, template=template, longest_token_bytes=model.longest_token_bytes(),
         prompt_workers=anyio.CapacityLimiter(1), tool_format=None, renders_tools=True,
+        system_role=True, system_between=True,
         settings=SimpleNamespace(lanes=LaneOptions()), max_len=lambda lane: 512,
     )  # fmt: skip
     model.close()

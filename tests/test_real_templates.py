@@ -15,8 +15,10 @@ from typing import Any
 
 import pytest
 
-from api.rendering import TemplateArguments
-from api.tool_calls import detect, parse, renders_tools, tool_setup, with_prompt
+from api.generation_request import Chat, Message
+from api.generic_tools import renders_system
+from api.rendering import TemplateArguments, render, renders_system_between
+from api.tool_calls import ToolSetup, detect, parse, renders_tools, tool_setup, with_prompt
 from bench.peers import llama_cpp_source
 from engine.chat_template import ChatTemplate
 from tests.test_tool_calls import assert_every_cut
@@ -95,3 +97,45 @@ def test_a_real_template_s_call_parses_back(
               "content": '{"temperature_c": 21}'}  # fmt: skip
     turn = tpl.bind(tools=TOOLS).render([user, asked, result])
     assert "temperature_c" in turn[turn.rindex("get_weather") :]
+
+
+def _renderable(folder: Path) -> list[tuple[str, ChatTemplate]]:
+    """Every template of llama.cpp's set that renders a plain chat (some need tags or
+    variables of their own servers)."""
+    out = []
+    for f in sorted(folder.glob("*.jinja")):
+        try:
+            t = ChatTemplate(f.read_text("utf-8"), "<s>", "</s>")
+            t.render([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"},
+                      {"role": "user", "content": "More"}])  # fmt: skip
+        except Exception:  # (a template the server could not load either)
+            continue
+        out.append((f.name, t))
+    return out
+
+
+def test_a_system_message_between_turns_reaches_the_prompt_on_every_template(
+    templates: Path,
+) -> None:
+    """Agents send system text mid-conversation (Claude Code its environment, OpenAI
+    clients a developer message): on every template it is in the prompt, with the first
+    system message kept — where the template renders one there, as a system turn, else
+    in the user turn beside it (Gemma 3 raises unless turns alternate; DeepSeek R1 keeps
+    only the last system message; Gemma 2 has no system role at all)."""
+    chat = Chat(
+        (Message("user", "Hi"), Message("assistant", "Hello"),
+         Message("system", "Mid-conversation note"), Message("user", "More")),
+        instructions="First instructions",
+    )  # fmt: skip
+    kinds = {True: 0, False: 0}
+    found = _renderable(templates)
+    assert len(found) >= 40
+    for name, t in found:
+        first, between = renders_system(t.render), renders_system_between(t.render)
+        kinds[between] += 1
+        messages, bound = render(t, chat, ToolSetup(), first, between)
+        prompt = bound.render(messages)
+        assert "First instructions" in prompt and "Mid-conversation note" in prompt, name
+        assert prompt.index("Hello") < prompt.index("Mid-conversation note"), name
+        assert prompt.index("Mid-conversation note") < prompt.index("More"), name
+    assert kinds[True] and kinds[False]  # both paths taken

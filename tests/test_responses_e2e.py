@@ -270,8 +270,8 @@ def _refused(c: OpenAI, **kw: Any) -> dict[str, Any]:
 
 
 def test_what_is_not_served_is_a_400_naming_it(server: Server, tooled: Server) -> None:
-    """Stored state, built-in tools and non-text input are refused by this API's field
-    names; so are the pipeline's own refusals (a context overrun by `max_output_tokens`,
+    """Stored state, a forced built-in tool and non-text input are refused by this API's
+    field names; so are the pipeline's own refusals (a context overrun by `max_output_tokens`,
     a schema by `text.format`)."""
     base: dict[str, Any] = {"model": MODEL, "input": "hi", "max_output_tokens": 4}
     image = [{"role": "user", "content": [
@@ -279,9 +279,6 @@ def test_what_is_not_served_is_a_400_naming_it(server: Server, tooled: Server) -
         {"type": "input_image", "image_url": "https://example.com/a.png"}]}]  # fmt: skip
     cases: list[tuple[dict[str, Any], str, str]] = [
         ({"previous_response_id": "resp_123"}, "previous_response_id", "previous_response_id"),
-        ({"tools": [{"type": "web_search"}]}, "tools[0].type", "web_search"),
-        ({"tools": [*TOOLS, {"type": "code_interpreter", "container": {"type": "auto"}}]},
-         "tools[2].type", "code_interpreter"),
         ({"input": image}, "input[0].content[1].type", "input_image"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type", "item_reference"),
         ({"max_output_tokens": 10**6}, "max_output_tokens", "context length"),
@@ -299,6 +296,67 @@ def test_what_is_not_served_is_a_400_naming_it(server: Server, tooled: Server) -
         body = _refused(c, model="tooled", input="hi", tools=TOOLS, tool_choice="required",
                         text={"format": {"type": "json_object"}})  # fmt: skip
         assert body["param"] == "tool_choice"
+
+
+def test_what_codex_sends_is_answered_and_a_namespaced_call_comes_back_split(
+    tooled: Server,
+) -> None:
+    """The request Codex CLI makes, by shape (its tools: functions, a `namespace` group, a
+    `web_search` it cannot have here; `developer` messages; reasoning summaries, encrypted
+    reasoning asked for, nothing stored, cache key and client metadata): answered, the
+    built-in tool left out; a call of the group's tool comes back with `namespace` and
+    `name` apart (Codex dispatches by the pair), and goes back into the history so."""
+    text = {"type": "string", "maxLength": 8}
+    echo = {"type": "function", "name": "echo", "description": "Echo the text back",
+            "strict": False, "parameters": {"type": "object", "additionalProperties": False,
+                                            "properties": {"text": text},
+                                            "required": ["text"]}}  # fmt: skip
+    tools: Any = [
+        {**TOOLS[0], "strict": False},
+        {"type": "namespace", "name": "mcp__helper", "description": "Tools of an MCP server",
+         "tools": [echo]},
+        {"type": "web_search", "external_web_access": False},
+    ]  # fmt: skip
+    history: list[Any] = [
+        {"type": "message", "role": "developer",
+         "content": [{"type": "input_text", "text": "You are a coding agent."}]},
+        {"type": "message", "role": "user",
+         "content": [{"type": "input_text", "text": "<environment_context>cwd: /tmp"
+                                                   "</environment_context>"}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text",
+                                                         "text": "echo hello"}]},
+    ]  # fmt: skip
+    meta = {"client_metadata": {"x-codex-turn-metadata": "{}"}}
+    kw: dict[str, Any] = {
+        "model": "tooled", "tools": tools, "parallel_tool_calls": True, "store": False,
+        "reasoning": {"summary": "auto"}, "include": ["reasoning.encrypted_content"],
+        "prompt_cache_key": "thread-1", "max_output_tokens": 64, "temperature": 0,
+        "extra_body": {**meta, **ends_after(8, EOS_ID)},  # (a random model's text ends)
+    }  # fmt: skip
+    with client(tooled) as c:
+        auto = c.responses.create(input=history, tool_choice="auto", **kw)
+        with c.responses.stream(input=history, tool_choice="auto", **kw) as stream:
+            done = [e for e in stream if e.type == "response.output_item.done"]
+            streamed = stream.get_final_response()
+        named = {"type": "function", "name": "echo", "namespace": "mcp__helper"}
+        forced = c.responses.create(
+            input=history,
+            tool_choice=named,
+            **{**kw, "max_output_tokens": 200, "extra_body": {**meta, "cache_prompt": False}},
+        )
+        (call,) = [o for o in forced.output if o.type == "function_call"]
+        again = [*history, call.model_dump(exclude_none=True),
+                 {"type": "function_call_output", "call_id": call.call_id,
+                  "output": [{"type": "input_text", "text": "hello"}]}]  # fmt: skip
+        after = c.responses.create(input=again, tool_choice="auto", **kw)
+    assert auto.status == "completed" and auto.output
+    assert streamed.output and len(done) == len(streamed.output)  # an item's done for each
+    assert [t.type for t in auto.tools] == ["function"]  # the function tools echoed
+    wire = call.model_dump()
+    assert (wire.get("namespace"), call.name) == ("mcp__helper", "echo"), wire
+    jsonschema.validate(json.loads(call.arguments), echo["parameters"])
+    assert after.output and after.usage and forced.usage
+    assert after.usage.input_tokens > forced.usage.input_tokens
 
 
 def test_metrics_count_the_route(server: Server) -> None:

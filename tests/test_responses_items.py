@@ -4,6 +4,8 @@ events and whole answers agreeing, validated by the official SDK's own types."""
 
 from __future__ import annotations
 
+import json
+import logging
 from typing import Any
 
 import msgspec
@@ -15,7 +17,7 @@ from api.errors import InvalidRequest
 from api.generation_request import Message
 from api.output_blocks import Block, Reasoning, Text, ToolUse
 from api.responses_input import api_param, functions_of, messages_of, response_format_of
-from api.responses_stream import ItemStream, whole
+from api.responses_stream import ItemStream, function_call, whole
 from api.responses_wire import (
     EchoTool,
     InputTokensDetails,
@@ -85,16 +87,18 @@ def test_input_that_cannot_be_served_is_refused_by_its_place(items: Any, param: 
     assert e.value.param == param
 
 
-def test_tools_and_formats_in_chat_terms() -> None:
-    tools = _request(tools=[{"type": "function", "name": "f", "parameters": {"type": "object"},
-                             "strict": True}]).tools  # fmt: skip
-    assert functions_of(tools) == [
+def test_tools_and_formats_in_chat_terms(caplog: pytest.LogCaptureFixture) -> None:
+    f: Any = {"type": "function", "name": "f", "parameters": {"type": "object"}, "strict": True}
+    tools = _request(tools=[f]).tools
+    assert functions_of(tools).functions == [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "object"},
                                           "strict": True}}
     ]  # fmt: skip
-    with pytest.raises(InvalidRequest) as e:
-        functions_of(_request(tools=[{"type": "file_search"}]).tools)
-    assert e.value.param == "tools[0].type" and "file_search" in e.value.message
+    # a built-in tool is left out (Codex offers web_search with every request), said in the log
+    with caplog.at_level(logging.WARNING):
+        offered = functions_of(_request(tools=[{"type": "file_search"}, f]).tools)
+    assert [f["function"]["name"] for f in offered.functions or []] == ["f"]
+    assert "tools[0]" in caplog.text and "file_search" in caplog.text
     schema = {"type": "object"}
     fmt = TextConfig(format=TextFormat(type="json_schema", name="x", schema=schema, strict=True))
     assert response_format_of(fmt) == {
@@ -104,6 +108,45 @@ def test_tools_and_formats_in_chat_terms() -> None:
     with pytest.raises(InvalidRequest) as e:
         response_format_of(TextConfig(format=TextFormat(type="xml")))
     assert e.value.param == "text.format.type"
+
+
+def test_a_namespace_s_tools_are_offered_flat_and_called_back_by_namespace_and_name() -> None:
+    """Codex groups tools (its MCP servers', its agent tools) in `namespace` tools and
+    dispatches a call by its `namespace` and `name`: the model is offered each under the
+    flat name Codex shows (`group__tool`), its call comes back split, and an earlier call
+    sent back with its namespace renders under the flat name the model wrote."""
+    echo = {
+        "type": "function",
+        "name": "echo",
+        "description": "Echo a text",
+        "parameters": {"type": "object", "properties": {"text": {"type": "string"}}},
+    }
+    req = _request(
+        tools=[{"type": "function", "name": "exec_command", "parameters": {"type": "object"}},
+               {"type": "namespace", "name": "mcp__tools", "description": "MCP tools",
+                "tools": [echo]},
+               {"type": "web_search", "external_web_access": False}],
+        input=[{"type": "message", "role": "developer", "content": "Be brief."},
+               {"type": "message", "role": "user", "content": "Echo hi"},
+               {"type": "function_call", "call_id": "c1", "namespace": "mcp__tools",
+                "name": "echo", "arguments": '{"text": "hi"}', "id": "fc_1",
+                "status": "completed"},
+               {"type": "function_call_output", "call_id": "c1", "output": "hi"}],
+    )  # fmt: skip
+    offered = functions_of(req.tools)
+    names = [f["function"]["name"] for f in offered.functions or []]
+    assert names == ["exec_command", "mcp__tools__echo"]
+    assert offered.namespaced == {"mcp__tools__echo": ("mcp__tools", "echo")}
+    messages, _ = messages_of(req, 64)
+    assert messages[2].calls[0].name == "mcp__tools__echo"
+    assert messages[3].role == "tool" and messages[3].name == "mcp__tools__echo"
+    block = ToolUse(0, Call("mcp__tools__echo", '{"text": "hi"}'), 0)
+    item = function_call(block, offered.namespaced)
+    assert (item.namespace, item.name) == ("mcp__tools", "echo")
+    wire = json.loads(msgspec.json.encode(item))
+    assert wire["namespace"] == "mcp__tools" and wire["name"] == "echo"
+    plain = json.loads(msgspec.json.encode(function_call(ToolUse(1, Call("f", "{}"), 1), {})))
+    assert "namespace" not in plain
 
 
 def test_the_pipelines_field_names_become_this_apis() -> None:
@@ -143,7 +186,7 @@ PIECES: list[list[Block]] = [
 
 
 def _stream(pieces: list[list[Block]], cut: bool) -> tuple[list[Any], ItemStream]:
-    items = ItemStream(first_sequence=2)
+    items = ItemStream(2, {})
     events = [e for p in pieces for e in items.blocks(p)] + list(items.finish(cut))
     return [EVENTS.validate_python(msgspec.to_builtins(e)) for e in events], items
 
@@ -164,7 +207,7 @@ def test_streamed_items_open_close_in_order_and_equal_the_whole_answer() -> None
     assert text == "It is noon."
     got = _response(items.items)
     want = _response(whole([Reasoning(0, "Let me think."), Text(1, "It is noon."),
-                            *PIECES[3]], cut=False))  # fmt: skip
+                            *PIECES[3]], cut=False, namespaced={}))  # fmt: skip
     assert got.output_text == want.output_text == "It is noon."
     strip = [{k: v for k, v in o.model_dump().items() if k != "id"} for o in got.output]
     assert strip == [{k: v for k, v in o.model_dump().items() if k != "id"} for o in want.output]
@@ -177,7 +220,7 @@ def test_an_answer_without_text_or_calls_still_has_a_message() -> None:
     """Reasoning cut at the token limit: the reasoning item, then an empty, incomplete
     message — streamed and whole alike."""
     events, items = _stream([[Reasoning(0, "Hmm")]], cut=True)
-    whole_items = whole([Reasoning(0, "Hmm")], cut=True)
+    whole_items = whole([Reasoning(0, "Hmm")], cut=True, namespaced={})
     assert [(i.type, i.status) for i in _response(items.items).output] == [
         ("reasoning", "completed"), ("message", "incomplete")
     ]  # fmt: skip
@@ -185,6 +228,6 @@ def test_an_answer_without_text_or_calls_still_has_a_message() -> None:
         ("reasoning", "completed"), ("message", "incomplete")
     ]  # fmt: skip
     assert events[-1].type == "response.output_item.done"
-    assert [(i.type, i.status) for i in _response(whole([], cut=False)).output] == [
+    assert [(i.type, i.status) for i in _response(whole([], cut=False, namespaced={})).output] == [
         ("message", "completed")
     ]  # fmt: skip
