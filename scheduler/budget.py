@@ -160,6 +160,18 @@ class StallTarget:
             # whole cost (StepCostModel.joins). One prompt a step kept a split wave of 16
             # chat users apart for good: 0.84x llama-server's decode rate, 3.4x its pauses.
             return rest
+        if (
+            self.auto
+            and 0 < rest <= n_max
+            and max(depth + rest, step.rows + rest) <= (self.cost.ubatch)
+        ):
+            # a short prompt, whole in the one physical batch the step runs anyway: a
+            # chunk of it saves the decoders a fraction of one batch's compute, and costs
+            # the prompt a step and every stream a second pause (a 16-user chat whose
+            # prompts arrive one by one, split in two: 1.6x llama-server's first token,
+            # its steps 2.5x slower than their model, fitted on steps all alike). A long
+            # prompt's last chunks stay sized to the target.
+            return rest
         self._memo = {}  # _time's, for this grant
         n = self._least_risk(step, n_max, depth)
         if self.auto:

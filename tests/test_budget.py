@@ -372,6 +372,26 @@ def test_the_policy_grants_a_minimum_chunk_before_it_knows_anything() -> None:
     assert FixedBudget(StepCostModel()).grant(step, 2048, 0) == 2048
 
 
+def test_a_short_prompt_goes_whole_in_the_physical_batch_the_step_runs_anyway() -> None:
+    """Under auto, a prompt that fits whole in the step's one physical batch is not
+    chunked, however the fit prices it: on the 2-core CPU, 16 chat users whose prompts
+    arrived one by one had each split in two steps (80, then 48 tokens) by a fit of steps
+    all alike, whose correction said steps ran 3x their model — 1.6x llama-server's first
+    token. As measured there: 15 decoders 105 ms, with an 80-token first chunk 600 ms,
+    with the 48-token rest 240 ms. A long prompt's last chunk stays sized to the target."""
+    p = StallTarget(StepCostModel(ubatch=512), 0.25, 32, 2048, auto=True)
+    for _ in range(40):
+        p.observe(StepDraft(15, 2250, waiting=True), 0.105)
+        p.observe(StepDraft(15, 2250, waiting=True, chunks=[(80, 0)]), 0.60)
+        p.observe(StepDraft(15, 2250, waiting=True, chunks=[(48, 80)]), 0.24)
+    p.correction = 1.15  # log(measured / modelled) as the server had it
+    assert p.grant(StepDraft(15, 2250, waiting=True), 2048, 0, 128) == 128
+    assert p.grant(StepDraft(15, 2250, waiting=True), 2048, 7900, 300) < 300  # an 8K's end
+    manual = StallTarget(p.cost, 0.25, 32, 2048)  # a target given: kept
+    manual.correction = p.correction
+    assert manual.grant(StepDraft(15, 2250, waiting=True), 2048, 0, 128) < 128
+
+
 def test_steps_that_measure_no_time_do_not_break_the_plan() -> None:
     """A backend reporting 0-second steps leaves the model all zeros: the policy still
     grants the minimum chunk, and divides by nothing."""
