@@ -62,7 +62,7 @@ def export(model: Path, out: Path) -> Path:
                 byte_fallback=True,
             )
         )
-        norm = [normalizers.Replace(" ", "▁")]
+        norm: list[normalizers.Normalizer] = [normalizers.Replace(" ", "▁")]
         if _field(r, "tokenizer.ggml.add_space_prefix"):
             norm.insert(0, normalizers.Prepend("▁"))
         tok.normalizer = normalizers.Sequence(norm)
@@ -70,7 +70,10 @@ def export(model: Path, out: Path) -> Path:
             [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
         )
     elif kind == "gpt2":
-        merges = [tuple(str(m).split(" ", 1)) for m in _field(r, "tokenizer.ggml.merges")]
+        merges: list[tuple[str, str]] = []
+        for m in _field(r, "tokenizer.ggml.merges"):
+            left, right = str(m).split(" ", 1)
+            merges.append((left, right))
         tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
