@@ -233,6 +233,7 @@ def test_a_forced_call_through_the_responses_api_has_valid_arguments(
 
 # ---- forced calls end; a plain answer streams ------------------------------------------
 TRIES = 10
+REPRO = {"strata_reproducible": "required"}
 
 
 def test_a_forced_call_ends_with_calls_not_max_tokens_on_every_route(server: Server) -> None:
@@ -270,35 +271,37 @@ def test_a_plain_answer_with_tools_offered_streams_in_pieces_on_every_route(
 ) -> None:
     """`auto` and the model answers in text: under the generic format that text is inside
     the envelope's `response` string, and still streams as it is written — more than one
-    text delta on every route (the first sampled answer of a few words on each), none of
-    them the envelope's JSON."""
-    say: Any = [{"role": "user", "content": "Say hello and tell me a short story."}]
+    text delta on every route (the first answer of a few words on each), none of them the
+    envelope's JSON. Greedy in the reproducible lane, so that which asks are answered in
+    text does not depend on what the server served before."""
+    asks = ["Say hello and tell me a short story.", "Write a poem about the sea.",
+            "Tell me a joke.", "Describe a cat in two sentences.", "Say hello."]  # fmt: skip
     with _client(server) as c, Anthropic(base_url=server.url, api_key="none", max_retries=0,
                                          _strict_response_validation=True) as a:  # fmt: skip
 
-        def chat(seed: int) -> list[str]:
+        def chat(ask: str) -> list[str]:
             return [x.delta.content for ch in c.chat.completions.create(
-                model=MODEL, messages=say, tools=TOOLS, max_tokens=60, temperature=1.0,
-                seed=seed, stream=True,
+                model=MODEL, messages=[{"role": "user", "content": ask}], tools=TOOLS,
+                max_tokens=60, temperature=0, stream=True, extra_body=REPRO,
             ) for x in ch.choices if x.delta.content]  # fmt: skip
 
-        def responses(seed: int) -> list[str]:
+        def responses(ask: str) -> list[str]:
             return [ev.delta for ev in c.responses.create(
-                model=MODEL, input=say[0]["content"], tools=RESPONSES_TOOLS,
-                max_output_tokens=60, temperature=1.0, extra_body={"seed": seed}, stream=True,
+                model=MODEL, input=ask, tools=RESPONSES_TOOLS, max_output_tokens=60,
+                temperature=0, extra_body=REPRO, stream=True,
             ) if ev.type == "response.output_text.delta"]  # fmt: skip
 
-        def messages(seed: int) -> list[str]:
+        def messages(ask: str) -> list[str]:
             with a.messages.stream(
-                model=MODEL, max_tokens=60, messages=say, tools=ANTHROPIC_TOOLS,
-                extra_body={"temperature": 1.0, "seed": seed},
+                model=MODEL, max_tokens=60, messages=[{"role": "user", "content": ask}],
+                tools=ANTHROPIC_TOOLS, extra_body={"temperature": 0, **REPRO},
             ) as s:  # fmt: skip
                 return [t for t in s.text_stream if t]
 
         pieces: dict[str, list[str]] = {}
         for name, route in (("chat", chat), ("responses", responses), ("messages", messages)):
-            for seed in range(TRIES):  # the first answer of a few words (a call has no text)
-                if len("".join(got := route(seed)).split()) > 1:
+            for ask in asks:  # the first answer of a few words (a call has no text)
+                if len("".join(got := route(ask)).split()) > 1:
                     pieces[name] = got
                     break
     assert set(pieces) == {"chat", "responses", "messages"}, pieces
