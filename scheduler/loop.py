@@ -159,21 +159,20 @@ class EngineLoop:
     def abort(self, req_id: str) -> None:
         """Stop a request (client gone): out of the queue at once, or its KV freed at the
         next step."""
-        sched = self._lane_of.pop(req_id, None)
-        if self._streams.pop(req_id, None) is not None and sched is not None:
-            with self._work:
-                sched.abort(req_id, self._clock())
-                self._text.drop(req_id)
-                self._work.notify()
+        self._leave(req_id, ended=False)
 
     def end(self, req_id: str) -> None:
         """Stop a request whose answer is over before its text is (api.answer: a repeated
         tool call): it ends as stopped at the next step, its KV kept for the prefix cache
         as any finished request's; nothing more reaches its stream."""
+        self._leave(req_id, ended=True)
+
+    def _leave(self, req_id: str, ended: bool) -> None:
+        """The request's stream closes now; its scheduler stops it (`ended`) or aborts it."""
         sched = self._lane_of.pop(req_id, None)
         if self._streams.pop(req_id, None) is not None and sched is not None:
             with self._work:
-                sched.stop(req_id, self._clock())
+                (sched.stop if ended else sched.abort)(req_id, self._clock())
                 self._text.drop(req_id)
                 self._work.notify()
 
