@@ -149,7 +149,7 @@ def steer(doc: dict[str, Any], model: str, *, max_tokens: int | None = None) -> 
     `max_tokens`, valid bodies also ask for at most that many tokens (the field becomes
     required): each valid case then costs a few decode steps, not a whole context, which
     keeps a bounded run short; negative cases still leave it out or exceed it. Fields not
-    in the document are left alone (the document follows api.schemas as it changes)."""
+    in the document are left alone (the document follows the wire types as they change)."""
     out = copy.deepcopy(doc)
     narrow: dict[str, dict[str, Any]] = {
         "model": {"type": "string", "enum": [model]},

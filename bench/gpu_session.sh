@@ -162,8 +162,8 @@ for s in "${steps[@]}"; do
       run mask-time python3 -m bench.mask_time --model "$MODEL"
       run constrained python3 -m bench.constrained --gpu --model "$MODEL" ;;
     deploy-run)  # issue 22: deploy/run.sh end to end on the synthetic model: dry-run, serve,
-      # a request, the binding it reported (one-gpu on PATH runs api.cli from this checkout)
-      mkdir -p "$W/bin" && printf '#!/bin/sh\nexec python3 -m api.cli "$@"\n' > "$W/bin/one-gpu"
+      # a request, the binding it reported (one-gpu on PATH runs api.server.cli from this checkout)
+      mkdir -p "$W/bin" && printf '#!/bin/sh\nexec python3 -m api.server.cli "$@"\n' > "$W/bin/one-gpu"
       chmod +x "$W/bin/one-gpu"
       PATH="$W/bin:$PATH" run deploy-dry bash deploy/run.sh --dry-run --model "$MODEL" \
         --n-ctx 32768

@@ -49,7 +49,7 @@ def _plan_cpu_layers(model: Path, budget: str, kv_tokens: int) -> tuple[str, int
     buffers with llama.cpp's own fitting margin (1 GiB) — not our server's margin, so the
     budget does not move with what our planner reserves, and any VRAM the plan leaves
     unused is room the peer may take (it is measured, not planned)."""
-    from api.planning import PlanRequest, plan_model
+    from api.server.planning import PlanRequest, plan_model
     from engine.gguf_meta import read_meta
     from engine.plan import GiB, PlanOptions, expert_layer, format_plan, vram_for_expert_share
 
@@ -131,7 +131,7 @@ def _run_ours(args: argparse.Namespace, setup: Setup, row: Row, log_path: Path) 
 
 def _print_pick_share(url: str, layout: str) -> None:
     """What the router telemetry saw during the run (the server samples 2% of steps)."""
-    from api.experts_client import fetch_report
+    from api.server.experts_client import fetch_report
 
     try:
         r = fetch_report(url, 5)

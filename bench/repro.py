@@ -25,7 +25,7 @@ from typing import Any
 
 from openai import AsyncOpenAI
 
-from api.lanes import FAST, REPRODUCIBLE
+from api.pipeline.lanes import FAST, REPRODUCIBLE
 from bench.loadgen import prompt as random_prompt
 from bench.server_proc import Server, start_server
 

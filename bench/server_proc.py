@@ -19,7 +19,9 @@ import httpx
 
 from bench.vram import process_vram_mib
 
-ROOT = Path(__file__).resolve().parent.parent  # the checkout: `python -m api.cli` runs from it
+ROOT = (
+    Path(__file__).resolve().parent.parent
+)  # the checkout: `python -m api.server.cli` runs from it
 
 
 def free_port() -> int:
@@ -100,7 +102,7 @@ def start_server(
 ) -> Server:
     """Start `one-gpu serve ARGS` on a free port (`env`: extra environment)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "api.cli", "serve", "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "api.server.cli", "serve", "--port", str(port), *args]
     return start_process(cmd, port, log_path, ready_timeout_s, env)
 
 

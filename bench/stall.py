@@ -65,7 +65,7 @@ log = logging.getLogger("bench.stall")
 NAME = "bench-model"
 DECODER_TOKENS = 1024  # each decoder's budget: the warm-up and the prefill take far fewer
 DECODER_PROMPT = 32
-OURS_N_CTX, OURS_N_SEQ = 16384, 32  # `one-gpu serve` defaults (api.cli)
+OURS_N_CTX, OURS_N_SEQ = 16384, 32  # `one-gpu serve` defaults (api.server.cli)
 
 
 @dataclass

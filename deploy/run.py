@@ -22,7 +22,7 @@ from pathlib import Path
 from deploy.download import DownloadError, Source, add_hub_options, endpoint, fetch
 from deploy.numa import Target, candidates, choose, gpus, process_cpus, sysfs, target
 
-SERVE = [sys.executable, "-m", "api.cli", "serve"]
+SERVE = [sys.executable, "-m", "api.server.cli", "serve"]
 
 
 def parser() -> argparse.ArgumentParser:

@@ -75,12 +75,12 @@ class EngineConfig:
     # Map the file (llama.cpp's default) or read it into memory. Read, the tensors kept in
     # host RAM go to the GPU's page-locked host memory (on a CPU: may be repacked for its
     # matmul kernels); mapped, they are shared with the page cache. None: the placement
-    # decides (`api.planning.load_mode`).
+    # decides (`api.server.planning.load_mode`).
     use_mmap: bool | None = True
     # A second context of this many tokens prefills long prompts beside the shared lane's
     # steps (engine.side_prefill) where no step carrying them could keep the stall target:
     # with routed experts in host RAM every prompt batch copies them to the GPU. 0 = none;
-    # SIDE_AUTO: `api.planning.side_context` decides (a GPU and experts in host RAM).
+    # SIDE_AUTO: `api.server.planning.side_context` decides (a GPU and experts in host RAM).
     side_prefill_ctx: int = 0
 
     def threads(self) -> tuple[int, int]:

@@ -6,7 +6,7 @@ top-k 40, top-p 0.95 and min-p 0.05, not at temperature 1.0 from the whole vocab
 its GGUF (`general.sampling.*`, gguf-py's `Keys.General.SAMPLING_*`, read by llama.cpp
 since 2025), and that is better still. So each field resolves, in order:
 
-  1. the request's own value (api.sequences; an explicit temperature 0 is greedy);
+  1. the request's own value (api.pipeline.sequences; an explicit temperature 0 is greedy);
   2. the server's flag where the operator gave it (`--temp`, `--top-k`, `--top-p`,
      `--min-p`, `--repeat-penalty`: llama-server's names) — llama.cpp also lets a flag
      given by hand win over the model's metadata;

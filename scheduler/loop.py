@@ -162,7 +162,7 @@ class EngineLoop:
         self._leave(req_id, ended=False)
 
     def end(self, req_id: str) -> None:
-        """Stop a request whose answer is over before its text is (api.answer: a repeated
+        """Stop a request whose answer is over before its text is (api.pipeline.answer: a repeated
         tool call): it ends as stopped at the next step, its KV kept for the prefix cache
         as any finished request's; nothing more reaches its stream."""
         self._leave(req_id, ended=True)

@@ -1,4 +1,5 @@
-"""What the scheduler reports after each step; only api/metrics.py turns it into Prometheus."""
+"""What the scheduler reports after each step; only api.server.metrics turns it into
+Prometheus."""
 
 from __future__ import annotations
 

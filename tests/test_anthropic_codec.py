@@ -16,19 +16,25 @@ import pytest
 from anthropic.lib.streaming._messages import accumulate_event
 from anthropic.types import Message as SDKMessage
 
-from api.anthropic_input import counted
-from api.anthropic_messages import MessagesCodec
-from api.anthropic_wire import (
+from api.pipeline.output_blocks import Block, ChoiceAnswer, ChoiceDelta, Reasoning, Text, ToolUse
+from api.pipeline.request import EarlierCall, Message
+from api.pipeline.tool_calls import Call
+from api.protocols.anthropic.input import counted
+from api.protocols.anthropic.messages import MessagesCodec
+from api.protocols.anthropic.wire import (
     COUNT_TOKENS_DECODER,
     MESSAGES_DECODER,
     MessagesRequest,
     error_response,
 )
-from api.errors import APIError, GenerationFailed, InvalidRequest, ServerBusy, ServiceUnavailable
-from api.generation_request import EarlierCall, Message
-from api.limits import RequestLimits
-from api.output_blocks import Block, ChoiceAnswer, ChoiceDelta, Reasoning, Text, ToolUse
-from api.tool_calls import Call
+from api.server.errors import (
+    APIError,
+    GenerationFailed,
+    InvalidRequest,
+    ServerBusy,
+    ServiceUnavailable,
+)
+from api.server.limits import RequestLimits
 
 USER = {"role": "user", "content": "hi"}
 

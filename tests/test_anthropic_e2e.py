@@ -1,8 +1,8 @@
 """Anthropic's Messages API end to end: real server processes driven by the official
 `anthropic` SDK in strict response validation, and at the HTTP level (httpx) where the
 event order itself is under test. The embedded model for plain messages; tiny generated
-models whose chat templates write Hermes tool calls (api.tool_calls) and open a `<think>`
-block (api.reasoning) for tools and thinking."""
+models whose chat templates write Hermes tool calls (api.pipeline.tool_calls) and open a `<think>`
+block (api.pipeline.reasoning) for tools and thinking."""
 
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-import api.planning
-from api.planning import PlanRequest, budgets
+import api.server.planning
+from api.server.planning import PlanRequest, budgets
 from engine.cgroup import allowed_cpus, memory_headroom
 from engine.devices import HostRam, available_ram
 
@@ -106,9 +106,9 @@ def test_odd_cgroup_files_count_as_no_constraint(tmp_path: Path) -> None:
 def test_the_plan_s_ram_budget_is_what_the_cgroup_leaves_and_says_so(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(api.planning, "available_ram",
+    monkeypatch.setattr(api.server.planning, "available_ram",
                         lambda: HostRam(3 * GiB, 64 * GiB, 3 * GiB))  # fmt: skip
-    caplog.set_level(logging.INFO, logger="api.planning")
+    caplog.set_level(logging.INFO, logger="api.server.planning")
     assert budgets(PlanRequest(vram_budget="8GiB")).ram == 3 * GiB
     assert "RAM budget: the cgroup's memory limit leaves 3.0 GiB" in caplog.text
     assert budgets(PlanRequest(vram_budget="8GiB", ram_budget="40GiB")).ram == 40 * GiB

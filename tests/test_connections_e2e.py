@@ -27,7 +27,7 @@ def tight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     the limit), the default header timeout (10 s) and a short keep-alive timeout. Its stall
     target is the bystander's tight one: the HTTP/1.0 request is served beside the stream."""
     port = free_port()
-    cmd = ["prlimit", f"--nofile={FD_LIMIT}:{FD_LIMIT}", sys.executable, "-m", "api.cli",
+    cmd = ["prlimit", f"--nofile={FD_LIMIT}:{FD_LIMIT}", sys.executable, "-m", "api.server.cli",
            "serve", "--port", str(port), *ENGINE_THREADS, *TIGHT_STALL, "--n-ctx", "4096",
            "--n-seq-max", "4", "--keep-alive-timeout", "1"]  # fmt: skip
     srv = start_process(cmd, port, tmp_path_factory.mktemp("tight") / "server.log")

@@ -177,13 +177,16 @@ def test_dry_run_prints_every_command_and_starts_nothing(
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     env |= {"ONEGPU_SYSFS": str(host), "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
-        [sys.executable, "-m", "api.cli", "run", "--dry-run", "--gpu", "1", "--model", "m.gguf",
-         "--n-ctx", "8192"],
+        [sys.executable, "-m", "api.server.cli", "run", "--dry-run", "--gpu", "1", "--model",
+         "m.gguf", "--n-ctx", "8192"],
         cwd=work, env=env, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     # the server drives GPU 1 alone, numbered as nvidia-smi and --gpu number it
-    serve = f"CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=1 {sys.executable} -m api.cli serve"
+    serve = (
+        f"CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=1 {sys.executable} -m api.server.cli "
+        "serve"
+    )
     opts = "--host 0.0.0.0 --port 8090 --threads 4 --model m.gguf --n-ctx 8192"
     assert out.stdout.splitlines() == [
         "# GPU 1 (0000:ca:00.0) on NUMA node 1, 4 physical cores",
@@ -195,14 +198,15 @@ def test_dry_run_prints_every_command_and_starts_nothing(
         f"{serve} --plan-only {opts}",
         "# serve (under the binding that held; shown with the first):",
         "CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=1 numactl --cpunodebind=1 "
-        f"--preferred=1 {sys.executable} -m api.cli serve {opts}",
+        f"--preferred=1 {sys.executable} -m api.server.cli serve {opts}",
     ]
     assert _calls(log) == []  # no binding was tried, no tool started
     assert list(work.iterdir()) == []  # nothing written
     # an operator's own CUDA_VISIBLE_DEVICES is left alone
     env["CUDA_VISIBLE_DEVICES"] = "0"
     mine = subprocess.run(
-        [sys.executable, "-m", "api.cli", "run", "--dry-run", "--gpu", "1", "--model", "m.gguf"],
+        [sys.executable, "-m", "api.server.cli", "run", "--dry-run", "--gpu", "1", "--model",
+         "m.gguf"],
         cwd=work, env=env, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert "CUDA_VISIBLE_DEVICES" not in mine.stdout
@@ -211,7 +215,8 @@ def test_dry_run_prints_every_command_and_starts_nothing(
     (host / "fs/cgroup/cpuset.cpus.effective").write_text("0-1,6-7,14-15\n")
     (host / "fs/cgroup/cpuset/cpuset.effective_cpus").write_text("0-1,6-7,14-15\n")
     confined = subprocess.run(
-        [sys.executable, "-m", "api.cli", "run", "--dry-run", "--gpu", "1", "--model", "m.gguf"],
+        [sys.executable, "-m", "api.server.cli", "run", "--dry-run", "--gpu", "1", "--model",
+         "m.gguf"],
         cwd=work, env=env, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     lines = confined.stdout.splitlines()
@@ -245,9 +250,9 @@ def test_run_binds_plans_and_serves(
     model = write_llama(tmp_path / "tiny.gguf", seed=1)
     port = free_port()
     srv = start_process(
-        [sys.executable, "-m", "api.cli", "run", "--model", str(model), "--served-model-name",
-         "tiny", "--host", "127.0.0.1", "--port", str(port), "--n-ctx", "512",
-         "--repro-slots", "0"],
+        [sys.executable, "-m", "api.server.cli", "run", "--model", str(model),
+         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+         "--n-ctx", "512", "--repro-slots", "0"],
         port, tmp_path / "run.log", env={"ONEGPU_SYSFS": str(host)},
     )  # fmt: skip
     answers_then_stops(srv, 3)
@@ -257,9 +262,9 @@ def test_run_binds_plans_and_serves(
     assert "no GPU: every tensor in RAM" in out  # the plan, checked before serving
     assert _calls(log) == [
         "numactl --cpunodebind=0 --preferred=0 true",
-        f"numactl --cpunodebind=0 --preferred=0 {sys.executable} -m api.cli serve --threads 4 "
-        f"--model {model} --served-model-name tiny --host 127.0.0.1 --port {port} --n-ctx 512 "
-        "--repro-slots 0",
+        f"numactl --cpunodebind=0 --preferred=0 {sys.executable} -m api.server.cli serve "
+        f"--threads 4 --model {model} --served-model-name tiny --host 127.0.0.1 --port {port} "
+        "--n-ctx 512 --repro-slots 0",
     ]
 
 
@@ -272,7 +277,7 @@ def test_run_stops_on_a_plan_that_does_not_fit_before_binding_or_serving(
     model = write_qwen3moe(tmp_path / "moe.gguf", seed=5)
     env = {**os.environ, "ONEGPU_SYSFS": str(host), "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
-        [sys.executable, "-m", "api.cli", "run", "--model", str(model), "--n-ctx", "1024",
+        [sys.executable, "-m", "api.server.cli", "run", "--model", str(model), "--n-ctx", "1024",
          "--repro-slots", "0", "--vram-budget", "64MiB", "--port", str(free_port())],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip

@@ -143,7 +143,7 @@ def test_run_fetches_a_split_model_and_serves_it(hub: Hub, tmp_path: Path) -> No
     server loads the split model from its first part and answers; a dry run fetches
     nothing and names what it would."""
     cache = tmp_path / "models"
-    cmd = [sys.executable, "-m", "api.cli", "run", "--hf-repo", REPO, "--hf-file", SECOND,
+    cmd = [sys.executable, "-m", "api.server.cli", "run", "--hf-repo", REPO, "--hf-file", SECOND,
            "--hf-cache", str(cache), "--served-model-name", "tiny", "--host", "127.0.0.1",
            "--n-ctx", "512", "--repro-slots", "0"]  # fmt: skip
     env = {"HF_ENDPOINT": hub.url, "ONEGPU_SYSFS": str(tmp_path / "no-sysfs")}
@@ -162,7 +162,7 @@ def test_run_fetches_a_split_model_and_serves_it(hub: Hub, tmp_path: Path) -> No
 def _download(*args: str, endpoint: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "HF_ENDPOINT": endpoint}
     return subprocess.run(
-        [sys.executable, "-m", "api.cli", "download", *args],
+        [sys.executable, "-m", "api.server.cli", "download", *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
 

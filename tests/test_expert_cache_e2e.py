@@ -131,14 +131,14 @@ def test_saved_pick_counts_are_what_the_planner_reads(
     _answers(cached)
     counts = tmp_path / "picks.json"
     subprocess.run(
-        [sys.executable, "-m", "api.cli", "experts", "--url", cached.url, "--save-counts",
+        [sys.executable, "-m", "api.server.cli", "experts", "--url", cached.url, "--save-counts",
          str(counts)],
         check=True, capture_output=True,
     )  # fmt: skip
     picks = load_picks(counts.read_bytes())
     assert picks.n_expert == SHAPE.n_expert and not picks.uniform
     assert picks.hit(SHAPE.n_expert_used) > SHAPE.n_expert_used / SHAPE.n_expert  # measured
-    plan = [sys.executable, "-m", "api.cli", "plan", str(model), "--vram-budget", "1GiB",
+    plan = [sys.executable, "-m", "api.server.cli", "plan", str(model), "--vram-budget", "1GiB",
             "--ram-budget", "8GiB", "--ctx", "2048"]  # fmt: skip
     ok = subprocess.run([*plan, "--pick-counts", str(counts)], capture_output=True, text=True)
     assert ok.returncode == 0 and "routed experts on GPU: 4 whole layers" in ok.stdout

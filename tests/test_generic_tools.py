@@ -1,4 +1,4 @@
-"""The generic tool format (api.generic_tools): what the model is told, the grammar that
+"""The generic tool format (api.pipeline.generic_tools): what the model is told, the grammar that
 holds its answer, and the answer read back — streamed in any cut as whole."""
 
 from __future__ import annotations
@@ -10,9 +10,8 @@ from typing import Any
 import pytest
 from llguidance import LLMatcher
 
-from api.answer import AnswerSplit
-from api.generation_request import Chat, EarlierCall, Message
-from api.generic_tools import (
+from api.pipeline.answer import AnswerSplit
+from api.pipeline.generic_tools import (
     GENERIC,
     EnvelopeStream,
     envelope_grammar,
@@ -23,7 +22,8 @@ from api.generic_tools import (
     string_prefix,
     text_turns,
 )
-from api.rendering import render
+from api.pipeline.rendering import render
+from api.pipeline.request import Chat, EarlierCall, Message
 from engine.chat_template import ChatTemplate, builtin_template
 
 WEATHER: dict[str, Any] = {

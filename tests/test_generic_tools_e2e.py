@@ -1,5 +1,5 @@
 """Tool calls on a model whose chat template has no call format: the embedded Gemma 3
-270M (the session `server`), the generic format (api.generic_tools), through Chat
+270M (the session `server`), the generic format (api.pipeline.generic_tools), through Chat
 Completions with the official `openai` client in strict response validation.
 
 A forced call (`required`, a named function) is held to the envelope's grammar, so its

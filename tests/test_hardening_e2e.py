@@ -186,7 +186,7 @@ def test_a_client_that_leaves_mid_body_costs_one_log_line(
 
 
 NOT_SERVED = [
-    # (tools are served on any model: the generic format, api.generic_tools)
+    # (tools are served on any model: the generic format, api.pipeline.generic_tools)
     (CHAT, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
             "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
     (CHAT, {"tool_choice": "required"}, "tool_choice"),

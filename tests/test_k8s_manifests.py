@@ -174,7 +174,7 @@ def test_the_init_container_downloads_the_model_the_server_serves() -> None:
     init = container(objs, "StatefulSet", "one-gpu", "model")
     server = container(objs, "StatefulSet", "one-gpu", "server")
     assert init["command"] == ["one-gpu", "download"]
-    help_ = subprocess.run([sys.executable, "-m", "api.cli", "download", "--help"], cwd=ROOT,
+    help_ = subprocess.run([sys.executable, "-m", "api.server.cli", "download", "--help"], cwd=ROOT,
                            capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
     assert help_.returncode == 0, help_.stderr
     for flag in ("--hf-repo", "--hf-file", "--hf-revision"):

@@ -1,5 +1,5 @@
-"""llama-server's spellings of a schema on OpenAI's routes (api.openai_wire): the top-level
-`json_schema` field becomes the one `response_format` the pipeline reads."""
+"""llama-server's spellings of a schema on OpenAI's routes (api.protocols.openai.wire): the
+top-level `json_schema` field becomes the one `response_format` the pipeline reads."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from api.errors import InvalidRequest
-from api.openai_wire import response_format
-from api.schemas import CHAT_DECODER
+from api.protocols.openai.schemas import CHAT_DECODER
+from api.protocols.openai.wire import response_format
+from api.server.errors import InvalidRequest
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
@@ -27,7 +27,9 @@ def test_a_top_level_json_schema_is_a_json_object_with_that_schema() -> None:
     text = {"type": "text"}
     assert response_format(_body(json_schema=SCHEMA, response_format=text))["schema"] == SCHEMA
     rf = {"type": "json_object", "schema": SCHEMA}
-    assert response_format(_body(response_format=rf)) == rf  # (as sent: api.structured reads it)
+    assert (
+        response_format(_body(response_format=rf)) == rf
+    )  # (as sent: api.pipeline.structured reads it)
     assert response_format(_body(json_schema={})) is None  # asks for nothing
 
 

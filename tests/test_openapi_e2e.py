@@ -1,6 +1,6 @@
 """End to end: the server's /openapi.json is a valid OpenAPI 3.1 document generated from
-api.schemas, and schemathesis, driven by it, finds no 5xx and no error that is not an
-OpenAI error body — with valid and invalid (negative, type-violating) inputs.
+the protocols' wire types, and schemathesis, driven by it, finds no 5xx and no error that
+is not an OpenAI error body — with valid and invalid (negative, type-violating) inputs.
 
 schemathesis parametrizes at collection, before any server runs (its fixture-based loader
 does not work with pytest 9), so the cases come from `openapi_document` built here; the
@@ -22,9 +22,10 @@ import schemathesis
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
-from api.anthropic_wire import MessagesRequest
-from api.openapi import TITLE, openapi_document
-from api.schemas import ChatCompletionRequest, CompletionRequest, ErrorDetail
+from api.protocols.anthropic.wire import MessagesRequest
+from api.protocols.openai.schemas import ChatCompletionRequest, CompletionRequest
+from api.protocols.openapi import TITLE, openapi_document
+from api.server.wire import ErrorDetail
 from bench.fuzz_api import (
     SERVER_ARGS,
     anthropic_error_body_problems,
@@ -120,7 +121,7 @@ def test_openapi_json_is_a_valid_openapi_31_document(fuzz_server: Server) -> Non
 
 
 def test_openapi_follows_the_structs(fuzz_server: Server) -> None:
-    """Generated from api.schemas at runtime: every field is there as the Struct has it."""
+    """Generated from the wire types at runtime: every field is there as the Struct has it."""
     doc = httpx.get(fuzz_server.url + "/openapi.json").json()
     schemas = doc["components"]["schemas"]
     for struct in (ChatCompletionRequest, CompletionRequest, ErrorDetail, MessagesRequest):

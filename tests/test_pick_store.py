@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from api.cli import _pick_counts
+from api.server.cli import _pick_counts
 from engine.pick_store import PickStore, counts_path, top_experts
 
 

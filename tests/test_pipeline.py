@@ -11,12 +11,12 @@ from typing import Any
 import anyio
 import pytest
 
-from api.answer import BlockNumbers, Parts
-from api.generation_request import Chat, GenerationRequest, Message, Prompts
-from api.lanes import LaneOptions
-from api.output_blocks import Reasoning, Text, ToolUse
-from api.pipeline import count_tokens
-from api.tool_calls import Call
+from api.pipeline.answer import BlockNumbers, Parts
+from api.pipeline.lanes import LaneOptions
+from api.pipeline.output_blocks import Reasoning, Text, ToolUse
+from api.pipeline.prepare import count_tokens
+from api.pipeline.request import Chat, GenerationRequest, Message, Prompts
+from api.pipeline.tool_calls import Call
 from engine.chat_template import ChatTemplate
 from engine.config import EngineConfig
 from engine.default_model import default_model_path

@@ -53,7 +53,7 @@ def budget(model: Path) -> int:
 
 def one_gpu(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "api.cli", *args], cwd=ROOT, capture_output=True, text=True,
+        [sys.executable, "-m", "api.server.cli", *args], cwd=ROOT, capture_output=True, text=True,
         timeout=120,
     )  # fmt: skip
 

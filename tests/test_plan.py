@@ -310,7 +310,7 @@ def test_with_experts_in_ram_a_physical_batch_is_a_whole_step_where_it_fits() ->
     with some of them in RAM the plan reserves buffers for batches of a whole step (the
     server then uses them); with every expert on the GPU it keeps 512 rows, and where
     wide buffers would not fit it keeps 512 rather than refusing."""
-    from api.planning import PlanRequest, experts_in_ram, plan_wide
+    from api.server.planning import PlanRequest, experts_in_ram, plan_wide
 
     meta = deepseek_like()
     req = PlanRequest(vram_budget="96GB", ram_budget="280GB", options=REFERENCE_OPTS)
@@ -342,7 +342,7 @@ def test_serve_widens_physical_batches_only_on_a_gpu_with_experts_placed_in_ram(
 ) -> None:
     """`--cpu-moe` by hand on a GPU: batches of a whole step; an explicit --n-ubatch, no
     GPU, or host-RAM tensors that are not experts: unchanged."""
-    import api.planning as planning
+    import api.server.planning as planning
     from engine.config import EngineConfig
     from engine.placement import CPU_MOE
 
@@ -371,7 +371,7 @@ def test_serve_caches_experts_by_default_only_on_a_gpu(
     the engine gets the split's slots (the measured win, docs/benchmarks.md "Expert cache");
     without a GPU, even planned under a VRAM budget, no cache (a host-RAM bank of host-RAM
     experts only costs copies); 0 turns it off on a GPU too."""
-    import api.planning as planning
+    import api.server.planning as planning
     from engine.config import EngineConfig
     from engine.plan import AUTO
 
@@ -408,7 +408,7 @@ def test_serve_opens_a_side_context_where_a_gpu_computes_prompts_with_experts_in
     where the experts are resident; a number is taken as given."""
     from dataclasses import replace
 
-    import api.planning as planning
+    import api.server.planning as planning
     from engine.config import SIDE_AUTO, EngineConfig
     from engine.placement import CPU_MOE
 
@@ -449,7 +449,7 @@ def test_serve_reads_the_model_where_a_gpu_computes_with_weights_in_host_ram(
     with every weight on the GPU and without a GPU; `--mmap`/`--no-mmap` taken as given."""
     from dataclasses import replace
 
-    import api.planning as planning
+    import api.server.planning as planning
     from engine.config import EngineConfig
     from engine.placement import CPU_MOE
 

@@ -19,8 +19,8 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-import api.app
-from api.cli import _parser, serve_settings
+import api.server.app
+from api.server.cli import _parser, serve_settings
 from bench.server_proc import free_port
 from engine.load_progress import LoadProgress
 from tests.tiny_gguf import Shape, write_hollow_llama, write_llama
@@ -36,15 +36,15 @@ def test_health_says_loading_until_the_model_serves_and_livez_stays_200(
                                  "--n-ctx", "512", "--repro-slots", "0"])  # fmt: skip
     settings = serve_settings(args)
     gate = threading.Event()
-    real_load = api.app._load
+    real_load = api.server.app._load
 
-    def held_load(s: api.app.ServerSettings, progress: LoadProgress) -> object:
+    def held_load(s: api.server.app.ServerSettings, progress: LoadProgress) -> object:
         assert gate.wait(60), "the test never opened the gate"
         return real_load(s, progress)
 
-    monkeypatch.setattr(api.app, "_load", held_load)
+    monkeypatch.setattr(api.server.app, "_load", held_load)
     caplog.set_level(logging.INFO, logger="engine.load_progress")
-    with TestClient(api.app.build_app(settings)) as client:  # lifespan started: listening
+    with TestClient(api.server.app.build_app(settings)) as client:  # lifespan started: listening
         health = client.get("/health")
         assert health.status_code == 503
         assert health.json() == {"status": "loading", "progress": 0.0}
@@ -83,7 +83,7 @@ def test_a_model_that_does_not_load_ends_the_server_with_an_error(tmp_path: Path
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(good[: len(good) // 2])  # a valid header, tensors missing
     out = subprocess.run(
-        [sys.executable, "-m", "api.cli", "serve", "--model", str(cut), "--port",
+        [sys.executable, "-m", "api.server.cli", "serve", "--model", str(cut), "--port",
          str(free_port()), "--repro-slots", "0"],
         cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
@@ -103,7 +103,7 @@ def test_a_stop_signal_during_the_load_abandons_it_and_exits_cleanly(tmp_path: P
     log_path = tmp_path / "server.log"
     with log_path.open("wb") as logf:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "api.cli", "serve", "--model", str(model), "--no-mmap",
+            [sys.executable, "-m", "api.server.cli", "serve", "--model", str(model), "--no-mmap",
              "--port", str(port), "--n-ctx", "512", "--repro-slots", "0"],
             cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT,
         )  # fmt: skip

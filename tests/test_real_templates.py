@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from api.generation_request import Chat, Message
-from api.generic_tools import renders_system
-from api.rendering import TemplateArguments, render, renders_system_between
-from api.tool_calls import ToolSetup, detect, parse, renders_tools, tool_setup, with_prompt
+from api.pipeline.generic_tools import renders_system
+from api.pipeline.rendering import TemplateArguments, render, renders_system_between
+from api.pipeline.request import Chat, Message
+from api.pipeline.tool_calls import ToolSetup, detect, parse, renders_tools, tool_setup, with_prompt
 from bench.peers import llama_cpp_source
 from engine.chat_template import ChatTemplate
 from tests.test_tool_calls import assert_every_cut
@@ -58,7 +58,7 @@ def templates() -> Path:
 
 
 def _call() -> dict[str, Any]:
-    """An assistant's call as the server hands it to templates (api.rendering)."""
+    """An assistant's call as the server hands it to templates (api.pipeline.rendering)."""
     args = TemplateArguments(json.dumps(ARGS), ARGS)
     return {"id": CALL_ID, "type": "function",
             "function": {"name": "get_weather", "arguments": args}}  # fmt: skip
@@ -73,7 +73,7 @@ def test_a_real_template_s_call_parses_back(
     assert detect(source) == fmt
     tpl = ChatTemplate(source, bos, eot if eot != "<|im_end|>" else "")
     user = {"role": "user", "content": ASK}
-    # as the server does it (api.app, api.structured, api.openai_routes)
+    # as the server does it (api.server.app, api.pipeline.structured, api.protocols.openai.routes)
     own = renders_tools(lambda tools: tpl.bind(tools=tools).render([user]))
     setup = tool_setup(TOOLS, "auto", True, fmt, None, "function<｜tool▁sep｜>" in source,
                        "[ARGS]" in source, own)  # fmt: skip

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from api.reasoning import ReasoningSplit, template_reasons
+from api.pipeline.reasoning import ReasoningSplit, template_reasons
 
 CASES = [
     # (prompt tail, the model's text, reasoning, content)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from openai import OpenAI
 
-from api.reasoning import ReasoningSplit
+from api.pipeline.reasoning import ReasoningSplit
 from bench.server_proc import Server, start_server
 from tests.tiny_gguf import write_llama
 

@@ -16,8 +16,8 @@ import openai
 import pytest
 from openai import OpenAI
 
-from api.errors import NotReproducible, ReproducibleLaneUnavailable
-from api.lanes import FAST, REPRODUCIBLE, LaneOptions, resolve_lane
+from api.pipeline.lanes import FAST, REPRODUCIBLE, LaneOptions, resolve_lane
+from api.server.errors import NotReproducible, ReproducibleLaneUnavailable
 from bench.repro import check
 from bench.server_proc import Server, start_server
 from tests.conftest import MODEL

@@ -13,12 +13,17 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from api.errors import InvalidRequest
-from api.generation_request import Message
-from api.output_blocks import Block, Reasoning, Text, ToolUse
-from api.responses_input import api_param, functions_of, messages_of, response_format_of
-from api.responses_stream import ItemStream, function_call, whole
-from api.responses_wire import (
+from api.pipeline.output_blocks import Block, Reasoning, Text, ToolUse
+from api.pipeline.request import Message
+from api.pipeline.tool_calls import Call
+from api.protocols.openai.responses_input import (
+    api_param,
+    functions_of,
+    messages_of,
+    response_format_of,
+)
+from api.protocols.openai.responses_stream import ItemStream, function_call, whole
+from api.protocols.openai.responses_wire import (
     EchoTool,
     InputTokensDetails,
     OutputItem,
@@ -28,8 +33,8 @@ from api.responses_wire import (
     TextConfig,
     TextFormat,
 )
-from api.responses_wire import Response as ResponseObject
-from api.tool_calls import Call
+from api.protocols.openai.responses_wire import Response as ResponseObject
+from api.server.errors import InvalidRequest
 
 EVENTS: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
 

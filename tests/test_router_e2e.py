@@ -333,7 +333,15 @@ def test_a_replica_drained_and_restarted_mid_traffic_costs_no_client_an_error(
     def restart() -> Server:
         assert victim.proc.wait(60) in (0, -signal.SIGTERM)
         assert "draining: new requests get 503" in victim.log()
-        cmd = [sys.executable, "-m", "api.cli", "serve", "--port", str(victim.port), *REPLICA_ARGS]
+        cmd = [
+            sys.executable,
+            "-m",
+            "api.server.cli",
+            "serve",
+            "--port",
+            str(victim.port),
+            *REPLICA_ARGS,
+        ]
         back = start_process(cmd, victim.port, pool.logs / f"replica-{which}-restarted.log")
         # the router checks /health every second: the replica serves its requests again
         wait_for(lambda: sample(back, CHAT_OK) >= 3, 60, "the restarted replica's requests")

@@ -1,7 +1,7 @@
 """What a request's unset sampling fields become (engine.sampling_defaults): a flag given
 by hand, else the model's own `general.sampling.*`, else llama-server's default — and a
 request's own fields always win. Observed where the engine's parameters are made: the
-sequences api.sequences builds."""
+sequences api.pipeline.sequences builds."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from api.generation_request import GenerationRequest, Logprobs, Prompts, Sampling
-from api.lanes import FAST
-from api.prompts import Prompt
-from api.sequences import sequences
-from api.structured import Constraint
+from api.pipeline.lanes import FAST
+from api.pipeline.prompts import Prompt
+from api.pipeline.request import GenerationRequest, Logprobs, Prompts, Sampling
+from api.pipeline.sequences import sequences
+from api.pipeline.structured import Constraint
 from engine.config import EngineConfig
 from engine.model import Model
 from engine.sampling_defaults import (
@@ -67,7 +67,7 @@ def carrying(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Model]:
 
 
 def _state(model: Model, defaults: SamplingDefaults) -> Any:
-    """What `api.sequences` reads of the server's state."""
+    """What `api.pipeline.sequences` reads of the server's state."""
     return SimpleNamespace(model=model, sampling_defaults=defaults, max_len=lambda lane: 256)
 
 
@@ -101,7 +101,7 @@ def test_a_request_s_own_fields_win_even_zero(carrying: Model) -> None:
 def test_the_engine_s_neutral_values_are_what_no_defaults_mean() -> None:
     """sampling_params without defaults keeps its old meaning (the samplers' neutral
     values), for callers that build parameters themselves."""
-    from api.sequences import sampling_params
+    from api.pipeline.sequences import sampling_params
 
     p = sampling_params(Sampling(), Logprobs())
     assert (p.temperature, p.top_k, p.top_p, p.min_p) == (1.0, 0, 1.0, 0.0)

@@ -1,5 +1,5 @@
 """`POST /tokenize` and `/detokenize` in llama-server's and vLLM's shapes, one route each
-(api.tokenize_routes), on the embedded model (the session `server`)."""
+(api.protocols.llama.routes), on the embedded model (the session `server`)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from api.tool_calls import Call, ToolStream, detect, forced_grammar, parse, tool_prompt
+from api.pipeline.tool_calls import Call, ToolStream, detect, forced_grammar, parse, tool_prompt
 
 ONE = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TWO = ONE + '\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>'
@@ -140,7 +140,7 @@ def test_forced_calls_in_mistral_and_llama3_syntax_compile() -> None:
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
-    from api.answer import AnswerSplit
+    from api.pipeline.answer import AnswerSplit
 
     split = AnswerSplit(None, "hermes", one_call=True)
     got = split.feed(TWO)

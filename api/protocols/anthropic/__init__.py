@@ -1,0 +1,1 @@
+"""Anthropic's wire: /v1/messages and /v1/messages/count_tokens."""

@@ -1,0 +1,1 @@
+"""llama-server's (and vLLM's) token routes: /tokenize and /detokenize."""
