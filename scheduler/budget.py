@@ -40,6 +40,11 @@ n_max, depth)` per prompt chunk, `observe(step, seconds)` once it ran, `stats()`
   lane that steps after it. A burst's step is not (every decoder has one token and no
   prefill is under way: the prompts arrived together, and bounding them would stagger the
   burst over many steps).
+
+Kept in one file past the ~250 lines a scheduler module aims at: most of it is one class,
+`StallTarget`, whose searches (largest within, fastest within, the knee, least risk) all
+read the same correction, margin and cost model; split apart they would pass that state
+back and forth. A quarter of the file is this note, the policy's design.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ returns each request's new tokens plus the step's stats (their text, and stop st
 are `scheduler.output`'s). Time is passed in, never read.
 
 The core decides what runs: the queues, the admission order and fair share, the chunk
-policy, prompt sharing (`scheduler.sharing`), the choice of victims, and which prompts a
-side context prefills beside the steps (`_wants_aside`). What that means
+policy, prompt sharing (`scheduler.sharing`), the choice of victims, and when to hand a
+prompt to a side context beside the steps (`scheduler.side_handoff`). What that means
 for the engine's KV — cells, the prefix cache, swap space — is the KV manager's books
 (`scheduler.kv_manager`), asked in the core's words.
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from engine.step_types import Sampled, SeqChunk, SeqStart, StepBatch, StepResult
 from scheduler.chunk_grant import ChunkGrant
@@ -26,43 +25,12 @@ from scheduler.kv_manager import KVManager
 from scheduler.kv_wait import KVWaitClock
 from scheduler.request import Request, RequestOutput, RequestStatus
 from scheduler.sharing import PromptSharing
+from scheduler.side_handoff import SideHandoff
 from scheduler.stats import FinishedStats, StepStats
-from scheduler.step_cost import StepDraft
 from scheduler.step_outputs import finished_stats, keep_scored, request_output, take_token
+from scheduler.step_plan import SchedulerOutput, StepPlan
 
-__all__ = ["QueueFull", "Scheduler", "SchedulerConfig", "SchedulerOutput"]
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """The step to run: `batch` for the engine, `reqs[i]` owning `batch.chunks[i]`."""
-
-    batch: StepBatch
-    reqs: list[Request] = field(default_factory=list)
-    num_preempted: int = 0
-
-    @property
-    def is_empty(self) -> bool:
-        b = self.batch
-        return not (
-            b.chunks or b.released or b.starts or b.swap_out or b.swap_drop or b.kv_ops
-            or b.retained or b.side_prefill or b.side_poll
-        )  # fmt: skip
-
-
-@dataclass(slots=True)
-class _Plan:
-    """The step being planned: the chunks granted so far by request (insertion order is
-    batch order), the sequences it starts, and the step as the chunk policy sees it."""
-
-    draft: StepDraft = field(default_factory=StepDraft)
-    chunks: dict[str, tuple[Request, int]] = field(default_factory=dict)
-    starts: list[SeqStart] = field(default_factory=list)
-    preempted: int = 0
-
-    @property
-    def tokens(self) -> int:
-        return sum(n for _, n in self.chunks.values())
+__all__ = ["QueueFull", "Scheduler", "SchedulerConfig"]
 
 
 class Scheduler:
@@ -80,10 +48,7 @@ class Scheduler:
         self._num_preempted = 0  # since the last stats, all kinds
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        # new requests whose prompt a side context is prefilling (`_wants_aside`): out of
-        # the queue until their KV comes back, then first in it as swapped-out requests
-        self.aside: dict[str, Request] = {}
-        self._side_poll = False  # a side prefill ended while no step ran (`side_woke`)
+        self.side = SideHandoff(cfg, self.chunks)
         self._by_id: dict[str, Request] = {}
         self._aborts: set[str] = set()
         self._stops: set[str] = set()  # running requests their text stopped (`stop`)
@@ -129,13 +94,16 @@ class Scheduler:
 
     def _dequeue(self, req: Request) -> None:
         """A waiting request leaves the queue, or the side context's hands."""
-        if self.aside.pop(req.req_id, None) is None:
+        if not self.side.release(req):
             self.waiting.remove(req)
 
+    @property
+    def aside(self) -> dict[str, Request]:
+        """The new requests a side context is prefilling, by id (`scheduler.side_handoff`)."""
+        return self.side.requests
+
     def side_woke(self) -> None:
-        """A side prefill ended (the engine's side thread says so, under the loop's lock):
-        the next batch asks for it even if nothing else is to be done."""
-        self._side_poll = True
+        self.side.woke()
 
     @property
     def has_work(self) -> bool:
@@ -156,7 +124,7 @@ class Scheduler:
         self._now = now
         self.kv.begin_step()
         self._apply_aborts(now)
-        plan = _Plan()
+        plan = StepPlan()
         self._continue_decoders(plan)
         prefilling = [r for r in self.running if not r.is_decoding and r.req_id not in plan.chunks]
         decoders = [r for r, _ in plan.chunks.values()]
@@ -165,7 +133,7 @@ class Scheduler:
         self._admit_waiting(plan, joined, now)
         return self._assemble_batch(plan)
 
-    def _continue_decoders(self, plan: _Plan) -> None:
+    def _continue_decoders(self, plan: StepPlan) -> None:
         """Decoders first: every running user gets its token before any prompt chunk."""
         budget = self.cfg.max_num_batched_tokens
         for req in [r for r in self.running if r.is_decoding]:
@@ -177,7 +145,7 @@ class Scheduler:
                 plan.chunks[req.req_id] = (req, 1)
                 budget -= 1
 
-    def _continue_prompts(self, plan: _Plan, prefilling: list[Request]) -> bool:
+    def _continue_prompts(self, plan: StepPlan, prefilling: list[Request]) -> bool:
         """Chunks of the prompts under way, oldest first (FCFS), as the chunk policy grants
         them. False when one would not join this step: it waits for the next, and so does
         everyone behind it (no admission)."""
@@ -199,7 +167,7 @@ class Scheduler:
                 budget -= n
         return True
 
-    def _admit_waiting(self, plan: _Plan, joined: bool, now: float) -> None:
+    def _admit_waiting(self, plan: StepPlan, joined: bool, now: float) -> None:
         """Admission by what a request needs: its whole uncomputed prompt (a preempted
         one's output too) and its expected growth, beside what the running still need —
         never by its first chunk alone, which lets a prompt in that the pool cannot finish.
@@ -223,7 +191,7 @@ class Scheduler:
             kv_blocked = self._admit_in_order(plan, committed, now)
         self._kv_wait.blocked(kv_blocked, self.waiting, now)
 
-    def _admit_in_order(self, plan: _Plan, committed: int, now: float) -> bool:
+    def _admit_in_order(self, plan: StepPlan, committed: int, now: float) -> bool:
         """Admit from the queue's head while the step, the sequence ids and KV have room
         (a request waiting for another's prompt to be offered lets those behind it by);
         True when KV kept the head out."""
@@ -240,7 +208,7 @@ class Scheduler:
                 req, self.running, plan.chunks, cached
             ):
                 continue
-            if self._wants_aside(plan, req, cached):
+            if self.side.wants(plan.draft, req, cached):
                 if self.kv.num_aside:  # the side context is busy: it waits for it
                     continue
                 if self._fits(req, 0, 1, committed) is None:
@@ -261,32 +229,10 @@ class Scheduler:
             budget -= n
         return False
 
-    def _wants_aside(self, plan: _Plan, req: Request, cached: int) -> bool:
-        """A new prompt goes to the side context (engine.side_prefill) where no step that
-        carries it beside the decoders could stay within the stall target
-        (`ChunkPolicy.beyond_reach`: with every expert of its rows in host RAM). There it
-        is prefilled in full batches while the decoders' steps go on without it, and comes
-        back as a swapped-out request. Not a prompt that reads much of the prefix cache
-        (the side context has none: it would compute what is cached), nor one whose own
-        logprobs are asked for (scored in the steps), nor one longer than that context or
-        shorter than a minimum chunk (under 32 rows its experts run on the CPU's threads,
-        which the side context leaves to the decoders)."""
-        rest = req.num_prompt - 1
-        return (
-            max(1, self.cfg.min_prefill_chunk) <= rest <= self.cfg.side_prefill_tokens
-            and 4 * cached <= req.num_prompt
-            and req.num_computed == 0 and req.swap_key is None
-            and not (req.scores_prompt or req.side_failed)
-            and self.chunks.policy.beyond_reach(plan.draft, rest)
-        )  # fmt: skip
-
     def _set_aside(self, req: Request, now: float) -> None:
-        """`req` left the queue for the side context (its swap key is held)."""
         self.waiting.remove(req)
         self._kv_wait.note(req, now)
-        if req.first_scheduled_time is None:
-            req.first_scheduled_time = now
-        self.aside[req.req_id] = req
+        self.side.hold(req, now)
 
     def _fits(self, req: Request, cached: int, n: int, committed: int) -> int | None:
         """The cells `req` will still take (its prompt's rest and expected growth) when its
@@ -303,7 +249,7 @@ class Scheduler:
         return need
 
     def _start(
-        self, plan: _Plan, req: Request, cached: int, split: int | None, n: int, now: float
+        self, plan: StepPlan, req: Request, cached: int, split: int | None, n: int, now: float
     ) -> None:
         """`req` leaves the queue with a first chunk of `n` tokens after the `cached`."""
         held = req.num_computed
@@ -319,15 +265,14 @@ class Scheduler:
         plan.chunks[req.req_id] = (req, n)
         plan.draft.add(n, req.num_computed, n == req.num_uncomputed, req.max_tokens)
 
-    def _assemble_batch(self, plan: _Plan) -> SchedulerOutput:
+    def _assemble_batch(self, plan: StepPlan) -> SchedulerOutput:
         """The planned chunks and the KV manager's ops as the engine's batch; the step as
         the chunk policy will judge it (a chunk of a decoder's one token is decode work)."""
         ops = self.kv.take_ops()
         batch = StepBatch(
             [], plan.starts, ops.released, ops.swap_out, ops.swap_in, ops.swap_drop,
-            ops.retained, ops.kv_ops, ops.side_prefill, self._side_poll and bool(self.aside),
+            ops.retained, ops.kv_ops, ops.side_prefill, self.side.take_poll(),
         )  # fmt: skip
-        self._side_poll = False
         out = SchedulerOutput(batch, num_preempted=plan.preempted)
         draft = plan.draft
         draft.chunks = []
@@ -353,7 +298,7 @@ class Scheduler:
             return None
         return self.sharing.offer_point(req, self.waiting, start, have)
 
-    def _reserve(self, req: Request, n: int, plan: _Plan) -> bool:
+    def _reserve(self, req: Request, n: int, plan: StepPlan) -> bool:
         """Cells for `req`'s next `n` tokens: unread cache is evicted for them (once, before
         any preemption), then the running request that loses the least work is preempted
         (the fewest computed tokens, the newest among equals) until they fit. False when
@@ -441,10 +386,8 @@ class Scheduler:
         """The one loop over a step's outputs: advance, append, finish by token."""
         for req in self.kv.swaps_ran(out.batch.swap_in, result):
             self._requeue(req)
-        for req in self.kv.aside_ran(result.side_done):  # first in line, as it left
-            del self.aside[req.req_id]
-            req.queued_time = now
-            self.waiting.appendleft(req)
+        for req in self.side.returned(self.kv.aside_ran(result.side_done), now):
+            self.waiting.appendleft(req)  # first in line, as it left
         stats = self.chunks.observe(out.batch, result)
         outputs: list[RequestOutput] = []
         for req, chunk in zip(out.reqs, out.batch.chunks, strict=True):

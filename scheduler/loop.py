@@ -30,10 +30,11 @@ from dataclasses import dataclass
 
 from engine.errors import KVCacheFull
 from engine.step_types import StepBatch, StepResult
-from scheduler.core import Scheduler, SchedulerOutput
+from scheduler.core import Scheduler
 from scheduler.output import OutputProcessor
 from scheduler.request import SHUTDOWN, Request, RequestOutput
 from scheduler.stats import FAST, StepStats
+from scheduler.step_plan import SchedulerOutput
 
 log = logging.getLogger(__name__)
 

@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 import pytest
 
 from engine.errors import BackendError, KVCacheFull
-from scheduler.core import QueueFull, Scheduler, SchedulerConfig, SchedulerOutput
+from scheduler.core import QueueFull, Scheduler, SchedulerConfig
 from scheduler.output import OutputProcessor
 from scheduler.request import Request, RequestOutput, RequestStatus
 from scheduler.stats import StepStats
+from scheduler.step_plan import SchedulerOutput
 from tests.fake_engine import (
     EOG,
     EOG_MARK,
