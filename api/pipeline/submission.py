@@ -57,5 +57,5 @@ def submit(
         queues = state.loop.add_group(sequences, lane)
     except QueueFull as e:
         raise ServerBusy(f"server busy: {e}; retry shortly", retry_after_s=1) from e
-    state.metrics.lane_requests.labels(lane=lane).inc()
+    state.metrics.requests.lane_requests.labels(lane=lane).inc()
     return queues

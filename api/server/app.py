@@ -41,7 +41,7 @@ from api.server.experts import experts as experts_route
 from api.server.http_status import StatusCounter
 from api.server.http_status import count as count_status
 from api.server.liveness import livez
-from api.server.metrics import CONTENT_TYPE, Metrics
+from api.server.metrics.registry import CONTENT_TYPE, Metrics
 from api.server.state import ServerSettings, ServerState, server_state
 from engine import moe_cache
 from engine.chat_template import ChatTemplate
@@ -139,10 +139,10 @@ def _state(
     lanes = settings.lanes
     metrics = Metrics(name, (FAST, REPRODUCIBLE) if len(engines) > 1 else (FAST,))
     plan = settings.plan
-    metrics.set_placement(
+    metrics.process.set_placement(
         placement.placed, {"gpu": plan.budgets.vram, "ram": plan.budgets.ram} if plan else None
     )
-    metrics.set_weight_buffers(model.weight_buffers.by_buffer)
+    metrics.process.set_weight_buffers(model.weight_buffers.by_buffer)
     experts = None
     picks = None
     if model.tap is not None and placement.experts is not None:

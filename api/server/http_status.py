@@ -24,7 +24,9 @@ def count(scope: Scope, status: int) -> None:
     """Count one response, once the server serves (its metrics exist from then on)."""
     state = scope["app"].state.server
     if state is not None:
-        state.metrics.http_responses.labels(route=route_of(scope["path"]), code=str(status)).inc()
+        state.metrics.requests.http_responses.labels(
+            route=route_of(scope["path"]), code=str(status)
+        ).inc()
 
 
 class StatusCounter:

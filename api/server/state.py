@@ -14,7 +14,7 @@ from starlette.requests import Request
 from api.pipeline.lanes import REPRODUCIBLE, LaneOptions
 from api.server.errors import ServiceUnavailable
 from api.server.limits import ConnectionLimits, RequestLimits
-from api.server.metrics import Metrics
+from api.server.metrics.registry import Metrics
 from engine.chat_template import ChatTemplate
 from engine.config import EngineConfig
 from engine.model import Model
