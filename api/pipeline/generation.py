@@ -43,8 +43,12 @@ class Generation:
         tail = prompt_tail(state, prompts[0].ids) if chat and state.reasoning else None
         self.reasoning_tail = tail
         self.tool_format = state.tool_format if tools.parse else None
-        self._one_call = not req.tools.parallel
         self._over: set[int] = set()  # choices ended here, before their sequence did
+        # each choice's text into reasoning, content and calls, as it comes: a generation
+        # is read once, streamed (`events`) or whole (`answers`)
+        self._splits = [
+            AnswerSplit(tail, self.tool_format, one_call=not req.tools.parallel) for _ in queues
+        ]
 
     @property
     def splits_reasoning(self) -> bool:
@@ -57,7 +61,7 @@ class Generation:
 
     async def events(self) -> AsyncIterator[ChoiceDelta]:
         """Each choice's pieces as they come, until every choice has finished."""
-        splits = [self._split() for _ in self._queues]
+        splits = self._splits
         numbers = [BlockNumbers() for _ in self._queues]
         async for i, o in self._outputs():
             parts, reason = splits[i].feed(o.text), o.finish_reason
@@ -75,7 +79,7 @@ class Generation:
     async def answers(self) -> list[ChoiceAnswer]:
         """Every choice's whole answer, once all have finished."""
         got = [_Collected() for _ in self._queues]
-        splits = [self._split() for _ in self._queues]
+        splits = self._splits
         async for i, o in self._outputs():
             got[i].add(o)
             splits[i].feed(o.text)
@@ -99,9 +103,6 @@ class Generation:
             self.state.loop.end(self._req_ids[i])
             return "stop"
         return reason
-
-    def _split(self) -> AnswerSplit:
-        return AnswerSplit(self.reasoning_tail, self.tool_format, one_call=self._one_call)
 
     async def _outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice, output) as they come, until every choice has finished."""
