@@ -19,9 +19,8 @@ import httpx
 
 from bench.vram import process_vram_mib
 
-ROOT = (
-    Path(__file__).resolve().parent.parent
-)  # the checkout: `python -m api.server.cli` runs from it
+# the checkout: `python -m api.server.cli` runs from it
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
