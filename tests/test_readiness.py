@@ -36,13 +36,13 @@ def test_health_says_loading_until_the_model_serves_and_livez_stays_200(
                                  "--n-ctx", "512", "--repro-slots", "0"])  # fmt: skip
     settings = serve_settings(args)
     gate = threading.Event()
-    real_load = api.server.app._load
+    real_load = api.server.app.load_model
 
     def held_load(s: api.server.app.ServerSettings, progress: LoadProgress) -> object:
         assert gate.wait(60), "the test never opened the gate"
         return real_load(s, progress)
 
-    monkeypatch.setattr(api.server.app, "_load", held_load)
+    monkeypatch.setattr(api.server.app, "load_model", held_load)
     caplog.set_level(logging.INFO, logger="engine.load_progress")
     with TestClient(api.server.app.build_app(settings)) as client:  # lifespan started: listening
         health = client.get("/health")
