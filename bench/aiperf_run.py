@@ -33,6 +33,9 @@ class Cell:
     itl_p99: float
     requests: int
     output_tokens: int
+    # ms from a stream's last text to its end (usage, [DONE], the body closed): what a
+    # closed-loop user waits between one answer and the next beside TTFT (bench.loadgen)
+    tail_p50: float = 0.0
 
 
 def ensure_aiperf(cache: Path) -> Path:

@@ -325,6 +325,7 @@ _ATTRS = (
     "ttft_p99",
     "itl_p50",
     "itl_p99",
+    "tail_p50",
 )
 
 
@@ -354,6 +355,17 @@ def report(res: Results, args: argparse.Namespace) -> str:
                 f"{t['ttft_p50']:.0f}, {t['ttft_p99']:.0f} | "
                 f"{o['itl_p50']:.1f}, {o['itl_p99']:.1f} | {t['itl_p50']:.1f}, {t['itl_p99']:.1f} |"
             )
+    out += [
+        "\nA request's end: ms from its last text to the stream's end (usage, [DONE], the "
+        "body closed), p50, ours / llama-server; with TTFT, what a closed-loop user waits "
+        "beyond decode\n",
+        "| sampling | N | tail ms ours / theirs |",
+        "|---|---|---|",
+    ]
+    for s in args.sampling:
+        for n in args.concurrency:
+            ours, theirs = (res.med(w, s, n, "tail_p50") for w in SERVERS)
+            out.append(f"| {s} | {n} | {ours:.1f} / {theirs:.1f} |")
     rss = {k: statistics.median(v) for k, v in res.peak_rss_mib.items()}
     out.append(
         f"\nPeak RSS (MiB, median): ours {rss['ours']:.0f}, llama-server "

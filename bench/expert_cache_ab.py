@@ -252,11 +252,14 @@ def _expert_notes(srv: Server, log_path: Path) -> tuple[list[str], float, int]:
 def split_of(v: Variant, n_layer: int, hit: float, cached: int) -> dict[str, float]:
     """The layout a row measured, for bench.hybrid_model: a cache's layers are in RAM and
     the rest resident (the planner caches every layer it leaves in RAM); whole-layer rows
-    as placed."""
+    as placed; llama-server's experts in RAM are the mapped file's unless it read the model
+    (`-lm none`), ours are read into buffers of its own."""
     if cached:
         return {"resident": n_layer - cached, "cached": cached, "in_ram": 0.0, "hit": hit}
     resident = n_layer if v.resident is None else v.resident
-    return {"resident": resident, "cached": 0, "in_ram": n_layer - resident, "hit": 0.0}
+    mapped = v.peer and "-lm" not in v.args
+    return {"resident": resident, "cached": 0, "in_ram": n_layer - resident, "hit": 0.0,
+            "mapped": mapped}  # fmt: skip
 
 
 def sizes(args: argparse.Namespace, n_layer: int) -> list[int]:

@@ -6,7 +6,7 @@
 #   Steps: engine compare stall repro stall-cpumoe (default: all, in that order); also
 #   stall-cpumoe-ours (two more experts-in-RAM stalls, ours only),
 #   quick variants, hybrid (issue 6: planner under a VRAM budget vs --n-cpu-moe),
-#   hybrid-planned (the planned layout only, 3 repeats), hybrid-threads (the planned layout,
+#   hybrid-planned (the planned layout only, 3 repeats), compare-n1 (1 and 4 users, 2 repeats), hybrid-threads (the planned layout,
 #   our server at HYBRID_THREADS threads), compare-1r (every N, one repeat),
 #   hybrid-levers (the planned layout with all 16 threads, telemetry off, --no-mmap) and
 #   tap-cost (router telemetry on/off, engine only), kv-pressure (issue 19: bench.kv_pressure
@@ -129,6 +129,11 @@ for s in "${steps[@]}"; do
           --vram-budget half-experts --concurrency 1 4 8 --layouts planned --repeats 1 \
           --ours-args="--threads $t"
       done ;;
+    compare-n1)  # one and four users, greedy and typical, 4 waves, 2 repeats: the first
+      # requests after a start (issue 47's one-user output rate)
+      run compare-n1 python3 -m bench.compare --gpu --peer-bin "$PEER_BIN" --model "$MODEL" \
+        --sampling greedy typical --concurrency 1 4 --isl 128 --osl 128 --waves 4 \
+        --lockstep-waves 1 --repeats 2 ;;
     compare-1r) run compare python3 -m bench.compare --gpu --peer-bin "$PEER_BIN" \
       --model "$MODEL" --concurrency 1 4 8 16 32 --isl 128 --osl 128 --waves 2 \
       --lockstep-waves 2 --repeats 1 ;;

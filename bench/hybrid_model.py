@@ -14,11 +14,15 @@ experts, k picked a row, picks independent: an upper bound under skewed or local
   them — today even where every pick hit (`split_all_hit=False` models the change that
   skips the CPU part of such a layer, which then pays it only when some pick missed).
 
-    t(B) = t0 + g * gpu_bytes(B) + c * cpu_bytes(B) + r * round_trips(B)
+    t(B) = t0 + g * gpu_bytes(B) + c * cpu_bytes(B) + m * mapped_bytes(B) + r * round_trips(B)
 
 t0: the step's fixed cost (graph launch, sampling, the scheduler); g and c: seconds a byte
-on each side (the inverse of the effective bandwidths); r: one round trip. All four are
-fitted by non-negative least squares to the per-user decode rates of measured rows (a
+on each side (the inverse of the effective bandwidths); m: a byte the CPU reads from the
+model file mapped into memory (llama-server's default: 4 KB pages of the page cache, placed
+wherever the kernel put them) rather than read into a buffer of the server's own (ours,
+page-locked) — the same kernels, but on two hosts the same layout ran 1.2x faster mapped on
+one and 1.2x slower on the other, so it is a constant of its own; r: one round trip. All
+are fitted by non-negative least squares to the per-user decode rates of measured rows (a
 step's time is the inverse of a user's rate); non-expert weights (attention, dense layers,
 shared experts, the output head) are read on the GPU every step. Uploads into the cache
 overlap the next step (patch 0005) and are not counted.
@@ -86,6 +90,7 @@ class Layout:
     in_ram: float = 0.0
     hit: float = 0.0
     misses_on_gpu: bool = False  # the cached layers' misses read by the GPU over the bus
+    mapped: bool = False  # the experts in RAM read from the mapped file (llama-server's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,12 +98,16 @@ class Constants:
     t0: float  # s a step
     g: float  # s a byte read on the GPU
     c: float  # s a byte read on the CPU
+    m: float  # s a byte read on the CPU from the mapped file
     r: float  # s a host round trip
 
     def describe(self) -> str:
-        return (f"t0 {self.t0 * 1e3:.2f} ms, GPU {1 / self.g / 1e9 if self.g else math.inf:.0f} "
-                f"GB/s, CPU {1 / self.c / 1e9 if self.c else math.inf:.1f} GB/s, "
-                f"round trip {self.r * 1e6:.0f} us")  # fmt: skip
+        def rate(s_per_byte: float) -> float:
+            return 1 / s_per_byte / 1e9 if s_per_byte else math.inf
+
+        mapped = f", CPU mapped {rate(self.m):.1f} GB/s" if self.m else ""
+        return (f"t0 {self.t0 * 1e3:.2f} ms, GPU {rate(self.g):.0f} GB/s, CPU "
+                f"{rate(self.c):.1f} GB/s{mapped}, round trip {self.r * 1e6:.0f} us")  # fmt: skip
 
 
 # What a GPU kernel reads from page-locked host memory in place, a byte (bench/zero_copy.cu
@@ -116,37 +125,39 @@ def bus_bytes(shape: Shape, layout: Layout, users: int) -> float:
 
 def terms(
     shape: Shape, layout: Layout, users: int, split_all_hit: bool = True
-) -> tuple[float, float, float, float]:
-    """A step's (1, GPU bytes, CPU bytes, round trips): the coefficients of t0, g, c, r.
-    With the misses on the GPU a cached layer has neither CPU bytes nor a round trip (its
-    bus bytes are priced by `bus_bytes`)."""
+) -> tuple[float, float, float, float, float]:
+    """A step's (1, GPU bytes, CPU bytes, CPU bytes of a mapped file, round trips): the
+    coefficients of t0, g, c, m, r. With the misses on the GPU a cached layer has neither
+    CPU bytes nor a round trip (its bus bytes are priced by `bus_bytes`)."""
     d = shape.distinct(users)
     e = shape.expert_bytes
     gpu = shape.other_bytes + (layout.resident + layout.cached * layout.hit) * d * e
+    trips_in_ram = math.ceil(layout.in_ram - 1e-9)  # a layer partly in RAM: a whole trip
     if layout.misses_on_gpu:
-        return 1.0, gpu, layout.in_ram * d * e, math.ceil(layout.in_ram - 1e-9)
-    cpu = (layout.cached * (1 - layout.hit) + layout.in_ram) * d * e
-    picks = users * shape.k  # a cached layer skips its CPU part only when all of them hit
-    cached_trips = layout.cached * (1.0 if split_all_hit else 1 - layout.hit**picks)
-    # a layer partly in RAM (some of its expert tensors) pays a whole round trip
-    return 1.0, gpu, cpu, cached_trips + math.ceil(layout.in_ram - 1e-9)
+        cpu, cached_trips = layout.in_ram * d * e, 0.0
+    else:
+        cpu = (layout.cached * (1 - layout.hit) + layout.in_ram) * d * e
+        picks = users * shape.k  # a cached layer skips its CPU part only when all of them hit
+        cached_trips = layout.cached * (1.0 if split_all_hit else 1 - layout.hit**picks)
+    read, mapped = (0.0, cpu) if layout.mapped else (cpu, 0.0)
+    return 1.0, gpu, read, mapped, cached_trips + trips_in_ram
 
 
 def step_time(
     k: Constants, shape: Shape, layout: Layout, users: int, split_all_hit: bool = True
 ) -> float:
-    one, gpu, cpu, trips = terms(shape, layout, users, split_all_hit)
+    one, gpu, cpu, mapped, trips = terms(shape, layout, users, split_all_hit)
     bus = BUS_S_PER_BYTE * bus_bytes(shape, layout, users)
-    return k.t0 * one + k.g * gpu + k.c * cpu + k.r * trips + bus
+    return k.t0 * one + k.g * gpu + k.c * cpu + k.m * mapped + k.r * trips + bus
 
 
 def breakdown(k: Constants, shape: Shape, layout: Layout, users: int) -> dict[str, float]:
     """Seconds of a step each constant accounts for: which one dominates (a miss read by
     the GPU over the bus counted with the CPU's reads)."""
-    one, gpu, cpu, trips = terms(shape, layout, users)
+    one, gpu, cpu, mapped, trips = terms(shape, layout, users)
     bus = BUS_S_PER_BYTE * bus_bytes(shape, layout, users)
-    return {"fixed": k.t0 * one, "GPU reads": k.g * gpu, "CPU reads": k.c * cpu + bus,
-            "round trips": k.r * trips}  # fmt: skip
+    return {"fixed": k.t0 * one, "GPU reads": k.g * gpu,
+            "CPU reads": k.c * cpu + k.m * mapped + bus, "round trips": k.r * trips}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,7 +319,7 @@ def main() -> None:
         if a.out:
             a.out.write_text(json.dumps(asdict(k)))
     elif a.constants:
-        k = Constants(**json.loads(a.constants.read_text()))
+        k = Constants(**{"m": 0.0, **json.loads(a.constants.read_text())})  # (fits before m)
     else:
         p.error("--fit with --model, or --constants")
     if a.reference:

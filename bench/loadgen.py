@@ -40,12 +40,14 @@ def _pct(xs: list[float], q: float) -> float:
 
 async def _one(
     c: AsyncOpenAI, model: str, prompt_ids: list[int], osl: int, sampling: dict[str, Any]
-) -> tuple[float, list[float], int, float]:
-    """(ttft, chunk gaps, generated tokens, decode seconds) of one streamed request."""
+) -> tuple[float, list[float], int, float, float]:
+    """(ttft, chunk gaps, generated tokens, decode seconds, tail seconds: from the last
+    text chunk to the stream's end) of one streamed request."""
     t0 = time.monotonic()
     stamps, n = await _stream(c, model, prompt_ids, osl, sampling)
+    end = time.monotonic()
     gaps = [b - a for a, b in itertools.pairwise(stamps)]
-    return stamps[0] - t0, gaps, n, stamps[-1] - stamps[0]
+    return stamps[0] - t0, gaps, n, stamps[-1] - stamps[0], end - stamps[-1]
 
 
 async def _stream(
@@ -86,7 +88,7 @@ async def run_load(
     rng = random.Random(seed)
     prompts = [prompt(rng, isl) for _ in range(requests)]
     lengths = [max(1, round(osl * (1 + osl_spread * rng.uniform(-1, 1)))) for _ in prompts]
-    results: list[tuple[float, list[float], int, float]] = []
+    results: list[tuple[float, list[float], int, float, float]] = []
     async with _client(base_url) as c:
         queue = list(reversed(list(zip(prompts, lengths, strict=True))))
 
@@ -112,6 +114,7 @@ async def run_load(
         itl_p99=1000 * _pct(gaps, 0.99),
         requests=len(results),
         output_tokens=total,
+        tail_p50=1000 * _pct([r[4] for r in results], 0.5),
     )
 
 

@@ -731,3 +731,15 @@ def test_vectorised_greedy_matches_each_row_and_mixes_with_chains(open_engine: O
             )
             assert res.sampled[s].token == int(row.argmax())
     assert set(res.sampled) == set(range(5))
+
+
+def test_a_warm_up_leaves_the_engine_as_it_found_it(gemma: Engine) -> None:
+    """The GPU loader's warm-up (two sequences, a prompt and decode steps) drops all it made:
+    no KV left under their ids, and a greedy generation after it is the one before it."""
+    ids = prompt_ids(gemma)
+    before = generate(gemma, ids, 6)
+    gemma.step(StepBatch([], released=[0]))
+    assert gemma.warm_up(prompt_tokens=32) > 0
+    assert gemma.seq_pos_max(0) == -1 and gemma.seq_pos_max(1) == -1
+    assert generate(gemma, ids, 6) == before
+    gemma.step(StepBatch([], released=[0]))

@@ -24,8 +24,9 @@ from bench.hybrid_model import (
 from bench.reference_model import deepseek_like
 
 SHAPE = Shape(n_moe=6, n_expert=384, k=6, expert_bytes=14.3e6, other_bytes=4.2e9)
-TRUE = Constants(t0=2e-3, g=1 / 2.0e12, c=1 / 40e9, r=150e-6)
+TRUE = Constants(t0=2e-3, g=1 / 2.0e12, c=1 / 40e9, m=1 / 30e9, r=150e-6)
 LAYOUTS = [
+    Layout(resident=2.33, in_ram=3.67, mapped=True),  # llama-server mapping the file
     Layout(resident=6),
     Layout(resident=0, cached=6, hit=0.995),
     Layout(resident=0, cached=6, hit=0.7),
@@ -46,7 +47,7 @@ def _rows(k: Constants, noise: float = 0.0) -> list[Row]:
 
 def test_the_fit_recovers_the_constants_that_made_the_rows() -> None:
     got = fit(SHAPE, _rows(TRUE))
-    for name in ("t0", "g", "c", "r"):
+    for name in ("t0", "g", "c", "m", "r"):
         assert getattr(got, name) == pytest.approx(getattr(TRUE, name), rel=1e-3), name
     noisy = fit(SHAPE, _rows(TRUE, noise=0.05))  # +-5% on alternate rows
     for r in _rows(TRUE):
@@ -131,7 +132,12 @@ def test_a_measured_row_s_split_is_what_the_fit_reads() -> None:
     rows = variants(6, 384, 6, 7, admission=3.0)
     peer, whole, slots, auto = rows
     assert split_of(peer, 6, 0.0, 0) == {"resident": 7 / 3, "cached": 0,
-                                         "in_ram": 6 - 7 / 3, "hit": 0.0}  # fmt: skip
+                                         "in_ram": 6 - 7 / 3, "hit": 0.0,
+                                         "mapped": True}  # fmt: skip
+    # llama-server reading the model (`-lm none`) and ours: their own buffers, not the file
+    read = variants(6, 384, 6, 7, admission=3.0, peer_read=True)[1]
+    assert split_of(read, 6, 0.0, 0)["mapped"] is False
+    assert split_of(whole, 6, 0.0, 0)["mapped"] is False
     assert split_of(slots, 6, 0.8, 6)["cached"] == 6 and split_of(slots, 6, 0.8, 6)["hit"] == 0.8
     assert split_of(auto, 6, 0.9, 4)["resident"] == 2  # the planner kept 2 layers whole
     result = [
@@ -143,5 +149,12 @@ def test_a_measured_row_s_split_is_what_the_fit_reads() -> None:
     got = rows_of(result)
     assert [(r.users, r.per_user_tok_s) for r in got] == [(1, 11.0), (8, 3.0), (1, 9.0), (8, 4.0)]
     assert got[0].layout == Layout(resident=7 / 3, cached=0, in_ram=6 - 7 / 3, hit=0.0)
+    # the same layout mapped costs the mapped constant's time where the read one costs c's
+    lay = got[0].layout
+    mapped = Layout(resident=lay.resident, in_ram=lay.in_ram, mapped=True)
+    ram = lay.in_ram * SHAPE.distinct(1) * SHAPE.expert_bytes
+    assert step_time(TRUE, SHAPE, mapped, 1) - step_time(TRUE, SHAPE, lay, 1) == pytest.approx(
+        ram * (TRUE.m - TRUE.c)
+    )
     # each N's own hit share: 8 users' picks spread over more experts than one user's
     assert [r.layout.hit for r in got[2:]] == [0.7, 0.4]

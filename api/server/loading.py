@@ -69,6 +69,9 @@ def load_model(
             device_greedy=False, n_ubatch=max(settings.engine.n_ubatch, lanes.chunk),
         )  # fmt: skip
         engines.append(Engine(model, ctx, solo=True))
+    if model.ll.llama_supports_gpu_offload() and settings.engine.n_gpu_layers != 0:
+        for engine in engines:  # the first request then pays no first-launch costs
+            log.info("warmed up on the GPU in %.2f s", engine.warm_up())
     if progress.cancelled:
         for engine in engines:
             engine.close()
