@@ -6,8 +6,9 @@
 #   Steps: engine compare stall repro stall-cpumoe (default: all, in that order); also
 #   stall-cpumoe-ours (two more experts-in-RAM stalls, ours only),
 #   quick variants, hybrid (issue 6: planner under a VRAM budget vs --n-cpu-moe),
-#   hybrid-planned (the planned layout only, 3 repeats), compare-n1 (1 and 4 users, 2 repeats), hybrid-threads (the planned layout,
-#   our server at HYBRID_THREADS threads), compare-1r (every N, one repeat),
+#   hybrid-planned (the planned layout only, 3 repeats), hybrid-threads (the planned layout,
+#   our server at HYBRID_THREADS threads), compare-1r (every N, one repeat), compare-n1
+#   (1 and 4 users, greedy and typical, 2 repeats),
 #   hybrid-levers (the planned layout with all 16 threads, telemetry off, --no-mmap) and
 #   tap-cost (router telemetry on/off, engine only), kv-pressure (issue 19: bench.kv_pressure
 #   and bench.swap_cost), multiturn (issue 20: bench.multiturn, all-GPU and --cpu-moe),
